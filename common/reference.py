@@ -1,0 +1,62 @@
+"""The correctness oracle: a dense, cache-free model with the same config and weights.
+
+No KV cache, no blocks, no chunks: every call recomputes attention over the whole sequence
+with a plain causal mask. It is slow on purpose and simple enough to trust; every step's paged
+engine must reproduce its greedy tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import ModelConfig
+from .layers import CausalLM, compute_dtype, rope_cos_sin
+
+
+class ReferenceModel(CausalLM):
+    """``forward(token_ids [T]) -> logits [T, vocab]`` over the full sequence."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor | list[int]) -> torch.Tensor:
+        ids = self.token_tensor(token_ids)
+        seq_len = ids.shape[0]
+        cos, sin = rope_cos_sin(torch.arange(seq_len, device=ids.device), self.cfg)
+        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=ids.device).tril()
+        x = self.model.embed_tokens(ids)
+        for layer in self.model.layers:
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+            attn = dense_attention(q, k, v, causal)
+            x = x + layer.self_attn.o_proj(attn.reshape(seq_len, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.lm_head(self.model.norm(x))
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    allowed: torch.Tensor) -> torch.Tensor:
+    """softmax(q·kᵀ/√d)·v for ``[T, H, d_head]`` inputs; softmax in float32 or wider."""
+    scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = scores.to(compute_dtype(q.dtype)).softmax(dim=-1).to(q.dtype)
+    return torch.einsum("hts,shd->thd", probs, v)
+
+
+@torch.inference_mode()
+def reference_generate(model: ReferenceModel, prompts: list[list[int]], max_new_tokens: int,
+                       eos_token_id: int | None = None) -> list[list[int]]:
+    """Greedy decoding by recomputing the whole sequence for every new token."""
+    outputs = []
+    for prompt in prompts:
+        tokens, generated = list(prompt), []
+        for _ in range(max_new_tokens):
+            next_id = int(model(tokens)[-1].argmax())
+            generated.append(next_id)
+            tokens.append(next_id)
+            if next_id == eos_token_id:
+                break
+        outputs.append(generated)
+    return outputs

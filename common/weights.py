@@ -1,0 +1,61 @@
+"""Deterministic weights: the same seed gives the same parameters in every step.
+
+Weights are drawn in float64 on the CPU from one seeded generator, in a fixed order, and only
+then cast to the model's dtype and device, so float32 and float64 models (and CPU and GPU ones)
+share the same underlying numbers.
+
+The scales are chosen for a *decisive* random model: logits with a wide spread (top-1/top-2
+margins far above float32 rounding, so every step picks the same argmax) and attention sharp
+enough that the output depends on the context, so greedy generations do not collapse into one
+repeated token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import ModelConfig
+
+LOGIT_SCALE = 8.0  # std of the logits for a unit-RMS final hidden state
+QK_GAIN = 1.5  # >1 sharpens attention scores
+
+
+def _layer_shapes(cfg: ModelConfig, i: int) -> list[tuple[str, tuple[int, ...], float]]:
+    d, f = cfg.d_model, cfg.d_ff
+    p = f"model.layers.{i}."
+    proj = 1.0 / math.sqrt(d)
+    return [
+        (p + "input_layernorm.weight", (d,), 0.0),
+        (p + "self_attn.q_proj.weight", (d, d), QK_GAIN * proj),
+        (p + "self_attn.k_proj.weight", (d, d), QK_GAIN * proj),
+        (p + "self_attn.v_proj.weight", (d, d), proj),
+        (p + "self_attn.o_proj.weight", (d, d), proj),
+        (p + "post_attention_layernorm.weight", (d,), 0.0),
+        (p + "mlp.gate_proj.weight", (f, d), proj),
+        (p + "mlp.up_proj.weight", (f, d), proj),
+        (p + "mlp.down_proj.weight", (d, f), 1.0 / math.sqrt(f)),
+    ]
+
+
+def weight_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], float]]:
+    """(HF parameter name, shape, std) in generation order. A std of 0 marks a norm weight."""
+    shapes = [("model.embed_tokens.weight", (cfg.vocab_size, cfg.d_model), 1.0)]
+    for i in range(cfg.num_layers):
+        shapes += _layer_shapes(cfg, i)
+    shapes.append(("model.norm.weight", (cfg.d_model,), 0.0))
+    shapes.append(("lm_head.weight", (cfg.vocab_size, cfg.d_model),
+                   LOGIT_SCALE / math.sqrt(cfg.d_model)))
+    return shapes
+
+
+def make_state_dict(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A Hugging Face ``LlamaForCausalLM``-named state dict (float64, CPU) drawn from ``cfg.seed``."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    state = {}
+    for name, shape, std in weight_shapes(cfg):
+        noise = torch.randn(shape, generator=gen, dtype=torch.float64)
+        # Norm weights near 1 (not exactly 1), so that a swapped or missing one changes outputs.
+        state[name] = 1.0 + 0.1 * noise if std == 0.0 else std * noise
+    return state
