@@ -29,13 +29,22 @@ class ModelConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        positive = ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "block_size",
-                    "total_blocks")
+        positive = (
+            "vocab_size",
+            "d_model",
+            "num_heads",
+            "num_layers",
+            "d_ff",
+            "block_size",
+            "total_blocks",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.d_model % self.num_heads:
-            raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
+            raise ValueError(
+                f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}"
+            )
         if self.d_head % 2:
             raise ValueError(f"d_head={self.d_head} must be even for rotary embeddings")
         if not self.dtype.is_floating_point:
@@ -51,13 +60,27 @@ class ModelConfig:
 
 PRESETS: dict[str, ModelConfig] = {
     # Small enough that hundreds of random scenarios run in seconds.
-    "tiny": ModelConfig(vocab_size=512, d_model=64, num_heads=4, num_layers=2, d_ff=172,
-                        block_size=4, total_blocks=128),
+    "tiny": ModelConfig(
+        vocab_size=512,
+        d_model=64,
+        num_heads=4,
+        num_layers=2,
+        d_ff=172,
+        block_size=4,
+        total_blocks=128,
+    ),
     # The chapter's demo (python -m stepN.run).
     "demo": ModelConfig(),
     # The side-by-side benchmark: big enough that the model's work is not all Python overhead.
-    "bench": ModelConfig(vocab_size=2048, d_model=512, num_heads=8, num_layers=4, d_ff=1376,
-                         block_size=16, total_blocks=1024),
+    "bench": ModelConfig(
+        vocab_size=2048,
+        d_model=512,
+        num_heads=8,
+        num_layers=4,
+        d_ff=1376,
+        block_size=16,
+        total_blocks=1024,
+    ),
 }
 
 
@@ -68,8 +91,12 @@ def preset(name: str, **changes: object) -> ModelConfig:
     return PRESETS[name].replace(**changes)
 
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-          "bfloat16": torch.bfloat16}
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -29,6 +29,6 @@ def hash_prefix_blocks(token_ids: Sequence[int], block_size: int) -> list[int]:
     """Chain hashes of every *full* block of ``token_ids`` (a trailing partial block has none)."""
     hashes, parent = [], ROOT_HASH
     for end in range(block_size, len(token_ids) + 1, block_size):
-        parent = hash_block(parent, token_ids[end - block_size:end])
+        parent = hash_block(parent, token_ids[end - block_size : end])
         hashes.append(parent)
     return hashes

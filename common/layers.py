@@ -21,7 +21,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class RMSNorm(nn.Module):
-    """``weight * x / rms(x)``; normalized in float32 or wider, cast back before the weight (as HF)."""
+    """``weight * x / rms(x)``, normalized in float32 or wider, cast back before the weight."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()

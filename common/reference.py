@@ -36,8 +36,9 @@ class ReferenceModel(CausalLM):
         return self.lm_head(self.model.norm(x))
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    allowed: torch.Tensor) -> torch.Tensor:
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
+) -> torch.Tensor:
     """softmax(q·kᵀ/√d)·v for ``[T, H, d_head]`` inputs; softmax in float32 or wider."""
     scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(q.shape[-1])
     scores = scores.masked_fill(~allowed, float("-inf"))
@@ -46,8 +47,12 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 @torch.inference_mode()
-def reference_generate(model: ReferenceModel, prompts: list[list[int]], max_new_tokens: int,
-                       eos_token_id: int | None = None) -> list[list[int]]:
+def reference_generate(
+    model: ReferenceModel,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_token_id: int | None = None,
+) -> list[list[int]]:
     """Greedy decoding by recomputing the whole sequence for every new token."""
     outputs = []
     for prompt in prompts:

@@ -15,7 +15,10 @@ FIXES: dict[str, tuple[tuple[str, ...], str]] = {
     "step14_2": (("model.py",), "KV gather: one flat-index gather instead of per-block cat"),
     "step14_3": (("model.py",), "attention: all heads in one batched matmul"),
     "step14_4": (("model.py",), "causal mask: one broadcast compare, none for decode"),
-    "step14_5": (("engine.py", "scheduler.py"), "hash chain kept on Sequence: each block hashed once"),
+    "step14_5": (
+        ("engine.py", "scheduler.py"),
+        "hash chain kept on Sequence: each block hashed once",
+    ),
     "step14_6": (("block_manager.py", "engine.py"), "BlockManager.release(): no poking internals"),
     "step14_7": (("model.py", "engine.py"), "forward_batched: one flat batch per round"),
 }

@@ -45,13 +45,14 @@ def weight_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], float]]:
     for i in range(cfg.num_layers):
         shapes += _layer_shapes(cfg, i)
     shapes.append(("model.norm.weight", (cfg.d_model,), 0.0))
-    shapes.append(("lm_head.weight", (cfg.vocab_size, cfg.d_model),
-                   LOGIT_SCALE / math.sqrt(cfg.d_model)))
+    shapes.append(
+        ("lm_head.weight", (cfg.vocab_size, cfg.d_model), LOGIT_SCALE / math.sqrt(cfg.d_model))
+    )
     return shapes
 
 
 def make_state_dict(cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """A Hugging Face ``LlamaForCausalLM``-named state dict (float64, CPU) drawn from ``cfg.seed``."""
+    """A state dict with HF ``LlamaForCausalLM`` names (float64, CPU) from ``cfg.seed``."""
     gen = torch.Generator().manual_seed(cfg.seed)
     state = {}
     for name, shape, std in weight_shapes(cfg):

@@ -9,8 +9,9 @@ def _tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
     return [rng.randrange(vocab_size) for _ in range(n)]
 
 
-def shared_prefix_prompts(num_requests: int, prefix_len: int, tail_len: int, vocab_size: int,
-                          seed: int = 0) -> list[list[int]]:
+def shared_prefix_prompts(
+    num_requests: int, prefix_len: int, tail_len: int, vocab_size: int, seed: int = 0
+) -> list[list[int]]:
     """``num_requests`` prompts: one common prefix (a "system prompt") + a distinct tail each."""
     rng = random.Random(seed)
     prefix = _tokens(rng, prefix_len, vocab_size)
@@ -28,22 +29,34 @@ def demo_prompts(vocab_size: int, block_size: int = 16) -> list[list[int]]:
     return [prefix + _tokens(rng, 4 + i, vocab_size) for i in range(10)]
 
 
-def bench_prompts(num_requests: int = 16, prefix_len: int = 256, tail_len: int = 32,
-                  vocab_size: int = 2048, seed: int = 0) -> list[list[int]]:
+def bench_prompts(
+    num_requests: int = 16,
+    prefix_len: int = 256,
+    tail_len: int = 32,
+    vocab_size: int = 2048,
+    seed: int = 0,
+) -> list[list[int]]:
     """The benchmark workload: many requests behind one long shared prefix."""
     return shared_prefix_prompts(num_requests, prefix_len, tail_len, vocab_size, seed)
 
 
-def random_shared_prefix_prompts(rng: random.Random, vocab_size: int, max_prompts: int = 8,
-                                 max_groups: int = 3, max_prefix: int = 40,
-                                 max_tail: int = 12) -> list[list[int]]:
+def random_shared_prefix_prompts(
+    rng: random.Random,
+    vocab_size: int,
+    max_prompts: int = 8,
+    max_groups: int = 3,
+    max_prefix: int = 40,
+    max_tail: int = 12,
+) -> list[list[int]]:
     """A random prompt set for property tests: a few groups, each with its own shared prefix.
 
     Tails may be empty and prefixes may be short or absent, so full-prompt hits, exact block
     multiples, one-token prompts and prompts that are prefixes of others all turn up.
     """
-    prefixes = [_tokens(rng, rng.randint(0, max_prefix), vocab_size)
-                for _ in range(rng.randint(1, max_groups))]
+    prefixes = [
+        _tokens(rng, rng.randint(0, max_prefix), vocab_size)
+        for _ in range(rng.randint(1, max_groups))
+    ]
     prompts = []
     for _ in range(rng.randint(1, max_prompts)):
         prompt = rng.choice(prefixes) + _tokens(rng, rng.randint(0, max_tail), vocab_size)

@@ -43,7 +43,8 @@ class BlockManager:
             raise ValueError(f"cannot allocate {n} blocks")
         if n > len(self._free_ids):
             raise NoFreeBlocksError(
-                f"asked for {n} blocks, only {len(self._free_ids)} of {self.total_blocks} free")
+                f"asked for {n} blocks, only {len(self._free_ids)} of {self.total_blocks} free"
+            )
         ids = [self._free_ids.popleft() for _ in range(n)]
         for block_id in ids:
             self._blocks[block_id].ref_count = 1

@@ -42,13 +42,15 @@ class EngineStats:
 
 
 class PagedPrefixCacheEngine:
-    def __init__(self, model: TinyTransformerPaged, max_running: int = 8,
-                 enable_prefix_cache: bool = True) -> None:
+    def __init__(
+        self, model: TinyTransformerPaged, max_running: int = 8, enable_prefix_cache: bool = True
+    ) -> None:
         self.model = model
         self.block_size = model.cfg.block_size
         self.block_manager = BlockManager(model.cfg.total_blocks)
-        self.prefix_cache = (PrefixCache(self.block_manager, self.block_size)
-                             if enable_prefix_cache else None)
+        self.prefix_cache = (
+            PrefixCache(self.block_manager, self.block_size) if enable_prefix_cache else None
+        )
         self.scheduler = PagedScheduler(max_running)
         self._counters = EngineStats()
         self._reserved = 0  # blocks promised to admitted sequences that have not allocated yet
@@ -57,8 +59,9 @@ class PagedPrefixCacheEngine:
 
     # ---- public API -------------------------------------------------------------------------
 
-    def add_request(self, prompt_ids: list[int], max_new_tokens: int,
-                    eos_token_id: int | None = None) -> int:
+    def add_request(
+        self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None
+    ) -> int:
         """Queue a request; returns its id. Bad input raises ValueError and changes nothing."""
         prompt = self._validate(prompt_ids, max_new_tokens, eos_token_id)
         seq = Sequence(self._next_id, prompt, max_new_tokens, eos_token_id)
@@ -82,8 +85,9 @@ class PagedPrefixCacheEngine:
                 self._free_seq(seq)
                 self._outputs[seq.seq_id] = seq.generated_ids
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int,
-                 eos_token_id: int | None = None) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None = None
+    ) -> list[list[int]]:
         """Serve all prompts together (continuous batching); returns generated ids per prompt."""
         for prompt in prompts:  # all or nothing: validate every prompt before queueing any
             self._validate(prompt, max_new_tokens, eos_token_id)
@@ -92,8 +96,9 @@ class PagedPrefixCacheEngine:
             self.step()
         return [self._outputs.pop(i) for i in ids]
 
-    def generate_serial(self, prompts: list[list[int]], max_new_tokens: int,
-                        eos_token_id: int | None = None) -> list[list[int]]:
+    def generate_serial(
+        self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None = None
+    ) -> list[list[int]]:
         """Serve prompts one at a time, through the same engine and cache."""
         for prompt in prompts:
             self._validate(prompt, max_new_tokens, eos_token_id)
@@ -103,9 +108,13 @@ class PagedPrefixCacheEngine:
     def stats(self) -> EngineStats:
         bm, cache = self.block_manager, self.prefix_cache
         cache_only = cache.num_evictable if cache else 0
-        return replace(self._counters, evictions=cache.num_evictions if cache else 0,
-                       blocks_free=bm.num_free, blocks_cached=len(cache) if cache else 0,
-                       blocks_used=bm.total_blocks - bm.num_free - cache_only)
+        return replace(
+            self._counters,
+            evictions=cache.num_evictions if cache else 0,
+            blocks_free=bm.num_free,
+            blocks_cached=len(cache) if cache else 0,
+            blocks_used=bm.total_blocks - bm.num_free - cache_only,
+        )
 
     def reset_stats(self) -> None:
         """Zero the request/token counters (the cache and its eviction count are kept)."""
@@ -120,8 +129,9 @@ class PagedPrefixCacheEngine:
         for block_id in range(bm.total_blocks):
             expected = 1 if self.prefix_cache and block_id in self.prefix_cache else 0
             if bm.ref_count(block_id) != expected:
-                problems.append(f"block {block_id}: ref_count {bm.ref_count(block_id)}, "
-                                f"expected {expected}")
+                problems.append(
+                    f"block {block_id}: ref_count {bm.ref_count(block_id)}, expected {expected}"
+                )
         cached = len(self.prefix_cache) if self.prefix_cache else 0
         if bm.num_free + cached != bm.total_blocks:
             problems.append(f"free {bm.num_free} + cached {cached} != total {bm.total_blocks}")
@@ -191,8 +201,12 @@ class PagedPrefixCacheEngine:
         end = (block_idx + 1) * self.block_size
         block_hash = hashing.hash_prefix_blocks(seq.prompt_ids[:end], self.block_size)[-1]
         parent_id = seq.block_table[block_idx - 1] if block_idx else None
-        self.prefix_cache.insert(block_hash, seq.block_table[block_idx],
-                                 seq.prompt_ids[end - self.block_size:end], parent_id)
+        self.prefix_cache.insert(
+            block_hash,
+            seq.block_table[block_idx],
+            seq.prompt_ids[end - self.block_size : end],
+            parent_id,
+        )
 
     # ---- one round's work -------------------------------------------------------------------
 
@@ -219,16 +233,17 @@ class PagedPrefixCacheEngine:
         blocks it allocated are freed (those the cache adopted stay, with ref_count 1)."""
         if self.prefix_cache is not None:
             self.prefix_cache.touch(seq.block_table[::-1])  # tail first: evicted first
-        hits = seq.block_table[:seq.num_cached_blocks]
+        hits = seq.block_table[: seq.num_cached_blocks]
         for block_id in hits:
             self.block_manager._blocks[block_id].ref_count -= 1
-        self.block_manager.free(seq.block_table[seq.num_cached_blocks:])
+        self.block_manager.free(seq.block_table[seq.num_cached_blocks :])
         seq.block_table = []
 
     # ---- input validation -------------------------------------------------------------------
 
-    def _validate(self, prompt_ids: object, max_new_tokens: object,
-                  eos_token_id: object) -> list[int]:
+    def _validate(
+        self, prompt_ids: object, max_new_tokens: object, eos_token_id: object
+    ) -> list[int]:
         vocab = self.model.cfg.vocab_size
         prompt = _as_token_list(prompt_ids)
         if not prompt:
@@ -245,7 +260,8 @@ class PagedPrefixCacheEngine:
             raise ValueError(
                 f"request needs {need} blocks ({len(prompt)} prompt + {max_new_tokens} new "
                 f"tokens at block_size={self.block_size}) but the pool has only "
-                f"{self.block_manager.total_blocks}: it could never run")
+                f"{self.block_manager.total_blocks}: it could never run"
+            )
         return prompt
 
 

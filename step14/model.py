@@ -30,8 +30,9 @@ class TinyTransformerPaged(CausalLM):
             self.register_buffer(name, pool, persistent=False)
 
     @torch.inference_mode()
-    def forward(self, chunk_ids: torch.Tensor | list[int], block_table: list[int],
-                start_pos: int) -> torch.Tensor:
+    def forward(
+        self, chunk_ids: torch.Tensor | list[int], block_table: list[int], start_pos: int
+    ) -> torch.Tensor:
         """Run tokens ``start_pos ... start_pos+T-1`` of a sequence; return logits ``[T, vocab]``.
 
         Positions ``0 ... start_pos-1`` must already be in the pool (computed by earlier chunks,
@@ -54,12 +55,20 @@ class TinyTransformerPaged(CausalLM):
 
     def _check_block_table(self, block_table: list[int], context_len: int) -> None:
         if len(block_table) * self.cfg.block_size < context_len:
-            raise ValueError(f"block_table of {len(block_table)} blocks cannot hold "
-                             f"{context_len} tokens at block_size={self.cfg.block_size}")
+            raise ValueError(
+                f"block_table of {len(block_table)} blocks cannot hold "
+                f"{context_len} tokens at block_size={self.cfg.block_size}"
+            )
 
-    def _write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
-                  block_table: list[int], start_pos: int) -> None:
-        """Store each token's K/V in its slot: block ``pos // block_size``, offset ``pos % block_size``."""
+    def _write_kv(
+        self,
+        layer_idx: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        block_table: list[int],
+        start_pos: int,
+    ) -> None:
+        """Store each token's K/V in its slot: block ``pos // bs``, offset ``pos % bs``."""
         block_size = self.cfg.block_size
         for i in range(k.shape[0]):  # one small indexed write per token
             pos = start_pos + i
@@ -67,8 +76,9 @@ class TinyTransformerPaged(CausalLM):
             self.kv_pool_k[layer_idx, block_id, offset] = k[i]
             self.kv_pool_v[layer_idx, block_id, offset] = v[i]
 
-    def _gather_kv(self, layer_idx: int, block_table: list[int],
-                   context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather_kv(
+        self, layer_idx: int, block_table: list[int], context_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The context's K/V, ``[context_len, H, d_head]`` each, read block by block."""
         block_size = self.cfg.block_size
         keys, values = [], []
@@ -78,8 +88,9 @@ class TinyTransformerPaged(CausalLM):
             values.append(self.kv_pool_v[layer_idx, block_table[j], :used])
         return torch.cat(keys), torch.cat(values)
 
-    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                   start_pos: int) -> torch.Tensor:
+    def _attention(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int
+    ) -> torch.Tensor:
         """Causal attention of the chunk's queries ``[T, H, d_head]`` over the whole context."""
         mask = self._causal_mask(q.shape[0], start_pos)
         scale = 1.0 / math.sqrt(self.cfg.d_head)
@@ -91,9 +102,13 @@ class TinyTransformerPaged(CausalLM):
         return out
 
     def _causal_mask(self, num_queries: int, start_pos: int) -> torch.Tensor:
-        """Additive mask ``[T, start_pos+T]``: query i (position start_pos+i) sees keys 0..start_pos+i."""
-        mask = torch.full((num_queries, start_pos + num_queries), float("-inf"),
-                          dtype=self.cfg.dtype, device=self.device)
+        """Additive mask ``[T, start_pos+T]``: query i (at start_pos+i) sees keys 0..start_pos+i."""
+        mask = torch.full(
+            (num_queries, start_pos + num_queries),
+            float("-inf"),
+            dtype=self.cfg.dtype,
+            device=self.device,
+        )
         for i in range(num_queries):  # row by row
-            mask[i, :start_pos + i + 1] = 0.0
+            mask[i, : start_pos + i + 1] = 0.0
         return mask

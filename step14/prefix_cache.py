@@ -55,15 +55,16 @@ class PrefixCache:
         hits: list[int] = []
         for i, block_hash in enumerate(block_hashes):
             entry = self._by_hash.get(block_hash)
-            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
             parent = hits[-1] if hits else None
             if entry is None or entry.token_ids != tokens or entry.parent_id != parent:
                 break
             hits.append(entry.block_id)
         return hits
 
-    def insert(self, block_hash: int, block_id: int, token_ids: list[int],
-               parent_id: int | None) -> bool:
+    def insert(
+        self, block_hash: int, block_id: int, token_ids: list[int], parent_id: int | None
+    ) -> bool:
         """Cache a block that prefill just filled. Returns whether it was cached.
 
         The first block stored under a hash wins (a request that computed its own copy keeps it
@@ -96,8 +97,14 @@ class PrefixCache:
         so a chain is evicted from its tail towards its head.
         """
         for _ in range(n):
-            victim = next((e for b, e in self._lru.items() if e.num_children == 0
-                           and self.block_manager.ref_count(b) == 1), None)
+            victim = next(
+                (
+                    e
+                    for b, e in self._lru.items()
+                    if e.num_children == 0 and self.block_manager.ref_count(b) == 1
+                ),
+                None,
+            )
             if victim is None:
                 raise RuntimeError("prefix cache has no evictable block left")
             self._remove(victim)

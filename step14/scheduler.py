@@ -72,18 +72,20 @@ class PagedScheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting) or any(
-            s.status is not SequenceStatus.FINISHED for s in self.running)
+            s.status is not SequenceStatus.FINISHED for s in self.running
+        )
 
-    def schedule(self, can_admit: Callable[[Sequence], bool] = lambda seq: True,
-                 ) -> tuple[list[Sequence], list[Sequence]]:
+    def schedule(
+        self,
+        can_admit: Callable[[Sequence], bool] = lambda seq: True,
+    ) -> tuple[list[Sequence], list[Sequence]]:
         """Return ``(prefill_seqs, decode_seqs)`` for this round.
 
         ``can_admit`` is the engine's answer to "is there memory for this one?". Admission is
         first come, first served: the head of the queue waits rather than being overtaken.
         """
         self.running = [s for s in self.running if s.status is not SequenceStatus.FINISHED]
-        while (self.waiting and len(self.running) < self.max_running
-               and can_admit(self.waiting[0])):
+        while self.waiting and len(self.running) < self.max_running and can_admit(self.waiting[0]):
             seq = self.waiting.popleft()
             seq.status = SequenceStatus.PREFILLING
             self.running.append(seq)

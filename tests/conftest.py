@@ -1,0 +1,79 @@
+"""Shared fixtures: every test that takes ``step`` runs once per step directory that exists."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from functools import cache
+from types import ModuleType
+
+import pytest
+import torch
+
+from common.config import ModelConfig, preset
+from common.reference import ReferenceModel, reference_generate
+from common.steps import available_steps, load_step
+
+STEP_NAMES = available_steps()
+
+
+@pytest.fixture(params=STEP_NAMES)
+def step(request: pytest.FixtureRequest) -> ModuleType:
+    """A step package (``step.PagedPrefixCacheEngine``, ``step.TinyTransformerPaged``, ...)."""
+    return load_step(request.param)
+
+
+def tiny_config(**changes: object) -> ModelConfig:
+    """The test model, in float64 unless told otherwise: there parity must be exact."""
+    changes.setdefault("dtype", torch.float64)
+    return preset("tiny", **changes)
+
+
+@cache
+def reference_model(cfg: ModelConfig) -> ReferenceModel:
+    return ReferenceModel(cfg)
+
+
+def reference_tokens(
+    cfg: ModelConfig, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None = None
+) -> list[list[int]]:
+    """The oracle's greedy tokens (the reference ignores block_size / total_blocks)."""
+    oracle_cfg = cfg.replace(block_size=1, total_blocks=1)
+    return reference_generate(reference_model(oracle_cfg), prompts, max_new_tokens, eos_token_id)
+
+
+EngineFactory = Callable[..., object]
+
+
+@pytest.fixture
+def make_engine(step: ModuleType) -> Iterator[EngineFactory]:
+    """``make_engine(cfg=None, max_running=4, enable_prefix_cache=True)`` for this test's step.
+
+    After the test, every engine it made that is at rest must have no leaked block: each block
+    free (ref_count 0) or held by the cache alone (ref_count 1), free + cached = total.
+    """
+    engines = []
+
+    def factory(
+        cfg: ModelConfig | None = None, max_running: int = 4, enable_prefix_cache: bool = True
+    ):
+        model = step.TinyTransformerPaged(cfg or tiny_config())
+        engine = step.PagedPrefixCacheEngine(
+            model, max_running=max_running, enable_prefix_cache=enable_prefix_cache
+        )
+        engines.append(engine)
+        return engine
+
+    yield factory
+    for engine in engines:
+        if not engine.has_work:
+            assert engine.ref_count_problems() == []
+
+
+def assert_engine_matches_reference(
+    engine, prompts: list[list[int]], max_new_tokens: int, serial: bool = False
+) -> list[list[int]]:
+    """Generate with ``engine`` (batched or serial) and compare with the dense reference."""
+    run = engine.generate_serial if serial else engine.generate
+    outputs = run(prompts, max_new_tokens)
+    assert outputs == reference_tokens(engine.model.cfg, prompts, max_new_tokens)
+    return outputs
