@@ -14,7 +14,13 @@ from types import ModuleType
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 TOTAL = 6  # small, so random ids often land on blocks in use
 
@@ -236,7 +242,9 @@ def block_manager_machine(step: ModuleType) -> type[RuleBasedStateMachine]:
         @invariant()
         def free_pool_holds_exactly_the_unowned_blocks(self) -> None:
             """Every free block has ref_count 0, and no id is both free and in use."""
+            before = snapshot(self.bm)
             free_ids = drain_free_ids(self.bm)
+            assert snapshot(self.bm) == before  # a free block with owners would now read 0
             assert len(set(free_ids)) == len(free_ids) == self.bm.num_free
             assert sorted(free_ids) == [b for b in range(TOTAL) if self.refs[b] == 0]
 
@@ -245,6 +253,7 @@ def block_manager_machine(step: ModuleType) -> type[RuleBasedStateMachine]:
 
 def test_block_manager_state_machine(step: ModuleType) -> None:
     """Random sequences of allocate / free / retain (/ release) against expected ref counts."""
-    machine = block_manager_machine(step)
-    machine.TestCase.settings = settings(max_examples=50, stateful_step_count=40, deadline=None)
-    machine.TestCase().runTest()
+    run_state_machine_as_test(
+        block_manager_machine(step),
+        settings=settings(max_examples=50, stateful_step_count=40, deadline=None),
+    )

@@ -1,0 +1,19 @@
+"""One step of the paged prefix-cache tutorial: a complete engine (see this folder's README)."""
+
+from .block_manager import BlockManager, NoFreeBlocksError
+from .engine import EngineStats, PagedPrefixCacheEngine
+from .model import TinyTransformerPaged
+from .prefix_cache import PrefixCache
+from .scheduler import PagedScheduler, Sequence, SequenceStatus
+
+__all__ = [
+    "BlockManager",
+    "EngineStats",
+    "NoFreeBlocksError",
+    "PagedPrefixCacheEngine",
+    "PagedScheduler",
+    "PrefixCache",
+    "Sequence",
+    "SequenceStatus",
+    "TinyTransformerPaged",
+]

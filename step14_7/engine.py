@@ -1,0 +1,294 @@
+"""PagedPrefixCacheEngine: paged KV + block-granular prefix cache + chunked prefill +
+continuous batching, in one loop.
+
+Each round (``step``): the scheduler picks the running set; every prefilling sequence advances
+one chunk of ``block_size`` tokens (chunk = block, so chunk boundaries are cache boundaries);
+every decoding sequence produces one token; finished sequences give their blocks back.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, replace
+
+import torch
+
+from .block_manager import BlockManager
+from .model import TinyTransformerPaged
+from .prefix_cache import PrefixCache
+from .scheduler import PagedScheduler, Sequence, SequenceStatus
+
+
+@dataclass
+class EngineStats:
+    requests: int = 0  # requests whose prefill has started (and looked up the cache)
+    requests_hit: int = 0  # ... of which at least one block came from the cache
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the cache
+    evictions: int = 0
+    blocks_free: int = 0  # in the free pool
+    blocks_cached: int = 0  # held by the prefix cache (maybe also by requests)
+    blocks_used: int = 0  # held by running requests
+
+    @property
+    def hit_rate(self) -> float:
+        return self.requests_hit / self.requests if self.requests else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class PagedPrefixCacheEngine:
+    def __init__(
+        self, model: TinyTransformerPaged, max_running: int = 8, enable_prefix_cache: bool = True
+    ) -> None:
+        self.model = model
+        self.block_size = model.cfg.block_size
+        self.block_manager = BlockManager(model.cfg.total_blocks)
+        self.prefix_cache = (
+            PrefixCache(self.block_manager, self.block_size) if enable_prefix_cache else None
+        )
+        self.scheduler = PagedScheduler(max_running)
+        self._counters = EngineStats()
+        self._reserved = 0  # blocks promised to admitted sequences that have not allocated yet
+        self._next_id = 0
+        self._outputs: dict[int, list[int]] = {}
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None
+    ) -> int:
+        """Queue a request; returns its id. Bad input raises ValueError and changes nothing."""
+        prompt = self._validate(prompt_ids, max_new_tokens, eos_token_id)
+        seq = Sequence(self._next_id, prompt, max_new_tokens, eos_token_id)
+        self._next_id += 1
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> None:
+        """One round of continuous batching: every scheduled sequence in one model call."""
+        prefill_seqs, decode_seqs = self.scheduler.schedule(self._can_admit)
+        for seq in prefill_seqs:
+            if not seq.block_table:
+                # Every lookup happens before the batch runs: sequences that start together
+                # cannot hit each other's blocks, none of which is computed yet.
+                self._start_sequence(seq)
+        scheduled = prefill_seqs + decode_seqs
+        if not scheduled:
+            return
+        chunks, starts = zip(*(self._next_chunk(seq) for seq in scheduled))
+        tables = [seq.block_table for seq in scheduled]
+        last_logits = self.model.forward_batched(list(chunks), tables, list(starts))
+        for seq, logits in zip(prefill_seqs, last_logits):
+            self._do_prefill_step(seq, logits)
+        for seq, logits in zip(decode_seqs, last_logits[len(prefill_seqs) :]):
+            self._do_decode_step(seq, logits)
+        for seq in scheduled:
+            if seq.status is SequenceStatus.FINISHED:
+                self._free_seq(seq)
+                self._outputs[seq.seq_id] = seq.generated_ids
+
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None = None
+    ) -> list[list[int]]:
+        """Serve all prompts together (continuous batching); returns generated ids per prompt."""
+        for prompt in prompts:  # all or nothing: validate every prompt before queueing any
+            self._validate(prompt, max_new_tokens, eos_token_id)
+        ids = [self.add_request(p, max_new_tokens, eos_token_id) for p in prompts]
+        while self.has_work:
+            self.step()
+        return [self._outputs.pop(i) for i in ids]
+
+    def generate_serial(
+        self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None = None
+    ) -> list[list[int]]:
+        """Serve prompts one at a time, through the same engine and cache."""
+        for prompt in prompts:
+            self._validate(prompt, max_new_tokens, eos_token_id)
+        return [self.generate([p], max_new_tokens, eos_token_id)[0] for p in prompts]
+
+    @property
+    def stats(self) -> EngineStats:
+        bm, cache = self.block_manager, self.prefix_cache
+        cache_only = cache.num_evictable if cache else 0
+        return replace(
+            self._counters,
+            evictions=cache.num_evictions if cache else 0,
+            blocks_free=bm.num_free,
+            blocks_cached=len(cache) if cache else 0,
+            blocks_used=bm.total_blocks - bm.num_free - cache_only,
+        )
+
+    def reset_stats(self) -> None:
+        """Zero the request/token counters (the cache and its eviction count are kept)."""
+        self._counters = EngineStats()
+
+    def ref_count_problems(self) -> list[str]:
+        """At rest every block is free (ref_count 0) or held by the cache alone (ref_count 1),
+        and free + cached = total. Returns what breaks that (empty when all is sane)."""
+        bm, problems = self.block_manager, []
+        if self.has_work:
+            return ["engine is not at rest"]
+        for block_id in range(bm.total_blocks):
+            expected = 1 if self.prefix_cache and block_id in self.prefix_cache else 0
+            if bm.ref_count(block_id) != expected:
+                problems.append(
+                    f"block {block_id}: ref_count {bm.ref_count(block_id)}, expected {expected}"
+                )
+        cached = len(self.prefix_cache) if self.prefix_cache else 0
+        if bm.num_free + cached != bm.total_blocks:
+            problems.append(f"free {bm.num_free} + cached {cached} != total {bm.total_blocks}")
+        return problems
+
+    # ---- admission and memory ---------------------------------------------------------------
+
+    def _blocks_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Blocks for a request's whole life: every token whose KV is ever written (the last
+        generated token is never fed back, so it needs no slot)."""
+        return -(-(prompt_len + max_new_tokens - 1) // self.block_size)
+
+    def _available_blocks(self) -> int:
+        evictable = self.prefix_cache.num_evictable if self.prefix_cache else 0
+        return self.block_manager.num_free + evictable - self._reserved
+
+    def _can_admit(self, seq: Sequence) -> bool:
+        """Admit only if the worst case (no cache hit) fits in free + evictable blocks, and
+        reserve them: a running request can then never run out of memory."""
+        need = self._blocks_needed(seq.prompt_len, seq.max_new_tokens)
+        if need > self._available_blocks():
+            return False
+        self._reserved += need
+        return True
+
+    def _allocate(self, n: int) -> list[int]:
+        shortfall = n - self.block_manager.num_free
+        if shortfall > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(shortfall)
+        return self.block_manager.allocate(n)
+
+    def _start_sequence(self, seq: Sequence) -> None:
+        """First prefill step: look up the cache, then build the block table (hits + new)."""
+        need = self._blocks_needed(seq.prompt_len, seq.max_new_tokens)
+        self._reserved -= need
+        hits = self._lookup_prefix_cache(seq)
+        for block_id in hits:  # a hit is zero copy: one more owner, nothing moves
+            self.block_manager.retain(block_id)
+        seq.block_table = hits + self._allocate(need - len(hits))
+        seq.num_cached_blocks = len(hits)
+        seq.prefill_offset = len(hits) * self.block_size
+        self._counters.requests += 1
+        self._counters.requests_hit += bool(hits)
+        self._counters.prompt_tokens += seq.prompt_len
+        self._counters.cached_tokens += seq.prefill_offset
+
+    # ---- the prefix cache -------------------------------------------------------------------
+
+    def _lookup_prefix_cache(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix of the prompt.
+
+        The block holding the last prompt token is never taken from the cache: its logits give
+        the first output token, so it is recomputed into a fresh block (shared blocks are
+        read-only, and copy-on-write is never needed).
+        """
+        if self.prefix_cache is None:
+            return []
+        max_hit_blocks = (seq.prompt_len - 1) // self.block_size
+        seq.extend_block_hashes(max_hit_blocks, self.block_size)
+        return self.prefix_cache.match(seq.block_hashes[:max_hit_blocks], seq.prompt_ids)
+
+    def _cache_block(self, seq: Sequence, block_idx: int) -> None:
+        """Prefill just filled block ``block_idx``: its KV now holds exactly tokens
+        ``0 ... (block_idx+1)*block_size-1``, so it may be named by that prefix's hash."""
+        if self.prefix_cache is None:
+            return
+        end = (block_idx + 1) * self.block_size
+        seq.extend_block_hashes(block_idx + 1, self.block_size)  # a no-op if lookup hashed it
+        block_hash = seq.block_hashes[block_idx]
+        parent_id = seq.block_table[block_idx - 1] if block_idx else None
+        self.prefix_cache.insert(
+            block_hash,
+            seq.block_table[block_idx],
+            seq.prompt_ids[end - self.block_size : end],
+            parent_id,
+        )
+
+    # ---- one round's work -------------------------------------------------------------------
+
+    def _next_chunk(self, seq: Sequence) -> tuple[list[int], int]:
+        """This round's tokens of a sequence and the position of the first: one block-sized
+        chunk of the prompt while prefilling, else the newest token (not in the pool yet)."""
+        if seq.status is SequenceStatus.PREFILLING:
+            start = seq.prefill_offset
+            return seq.prompt_ids[start : start + self.block_size], start
+        return [seq.last_token_id], seq.num_tokens - 1
+
+    def _do_prefill_step(self, seq: Sequence, last_logits: torch.Tensor) -> None:
+        """Book-keeping after the batch computed this sequence's chunk."""
+        end = min(seq.prefill_offset + self.block_size, seq.prompt_len)
+        seq.prefill_offset = end
+        if end % self.block_size == 0:
+            self._cache_block(seq, end // self.block_size - 1)
+        if seq.is_prefill_done:
+            seq.status = SequenceStatus.RUNNING
+            seq.append_token(int(last_logits.argmax()))
+
+    def _do_decode_step(self, seq: Sequence, last_logits: torch.Tensor) -> None:
+        seq.append_token(int(last_logits.argmax()))
+
+    def _free_seq(self, seq: Sequence) -> None:
+        """Drop the request's references: hit blocks go back to the cache's sole ownership,
+        blocks it allocated are freed (those the cache adopted stay, with ref_count 1)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.touch(seq.block_table[::-1])  # tail first: evicted first
+        for block_id in seq.block_table[: seq.num_cached_blocks]:
+            self.block_manager.release(block_id)  # the mirror of the retain() at lookup
+        self.block_manager.free(seq.block_table[seq.num_cached_blocks :])
+        seq.block_table = []
+
+    # ---- input validation -------------------------------------------------------------------
+
+    def _validate(
+        self, prompt_ids: object, max_new_tokens: object, eos_token_id: object
+    ) -> list[int]:
+        vocab = self.model.cfg.vocab_size
+        prompt = _as_token_list(prompt_ids)
+        if not prompt:
+            raise ValueError("prompt is empty: a request needs at least one token")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if not _is_int(max_new_tokens) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if eos_token_id is not None and not (_is_int(eos_token_id) and 0 <= eos_token_id < vocab):
+            raise ValueError(f"eos_token_id must be None or a token id in [0, {vocab})")
+        need = self._blocks_needed(len(prompt), int(max_new_tokens))
+        if need > self.block_manager.total_blocks:
+            raise ValueError(
+                f"request needs {need} blocks ({len(prompt)} prompt + {max_new_tokens} new "
+                f"tokens at block_size={self.block_size}) but the pool has only "
+                f"{self.block_manager.total_blocks}: it could never run"
+            )
+        return prompt
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _as_token_list(prompt_ids: object) -> list[int]:
+    if isinstance(prompt_ids, torch.Tensor):
+        if prompt_ids.dim() != 1 or prompt_ids.is_floating_point() or prompt_ids.is_complex():
+            raise ValueError("a prompt tensor must be 1-D with an integer dtype")
+        prompt_ids = prompt_ids.tolist()
+    if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__iter__"):
+        raise ValueError(f"prompt must be a sequence of token ids, got {type(prompt_ids).__name__}")
+    tokens = list(prompt_ids)
+    if not all(_is_int(t) for t in tokens):
+        raise ValueError("prompt token ids must be integers")
+    return [int(t) for t in tokens]

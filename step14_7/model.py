@@ -1,0 +1,171 @@
+"""TinyTransformerPaged: a Llama-style decoder whose KV lives in a global paged pool.
+
+There is no ``past_key_values``: ``forward`` writes the chunk's K/V into ``kv_pool_k`` /
+``kv_pool_v`` at the slots its ``block_table`` names, then reads the whole context back through
+the same table. Which physical blocks hold a sequence is invisible to the math.
+
+This first version writes each helper the plain way (Python loops over tokens, blocks, heads and
+mask rows); steps 14_1 to 14_4 replace them one at a time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from common.config import ModelConfig
+from common.layers import CausalLM, compute_dtype, rope_cos_sin
+
+
+class TinyTransformerPaged(CausalLM):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        # [num_layers, total_blocks, block_size, num_heads, d_head]: a block is a page frame of
+        # block_size token slots; each slot holds every head's vector. Non-persistent: KV is
+        # runtime state, not weights, so state_dict() holds weights only.
+        shape = (cfg.num_layers, cfg.total_blocks, cfg.block_size, cfg.num_heads, cfg.d_head)
+        for name in ("kv_pool_k", "kv_pool_v"):
+            pool = torch.zeros(shape, dtype=cfg.dtype, device=cfg.device)
+            self.register_buffer(name, pool, persistent=False)
+
+    @torch.inference_mode()
+    def forward(
+        self, chunk_ids: torch.Tensor | list[int], block_table: list[int], start_pos: int
+    ) -> torch.Tensor:
+        """Run tokens ``start_pos ... start_pos+T-1`` of a sequence; return logits ``[T, vocab]``.
+
+        Positions ``0 ... start_pos-1`` must already be in the pool (computed by earlier chunks,
+        or shared from the prefix cache); this call adds the chunk's own K/V.
+        """
+        ids = self.token_tensor(chunk_ids)
+        context_len = start_pos + ids.shape[0]
+        self._check_block_table(block_table, context_len)
+        positions = torch.arange(start_pos, context_len, device=ids.device)
+        cos, sin = rope_cos_sin(positions, self.cfg)
+        # Every context position's physical slot, computed once and used by every layer; the
+        # chunk's own tokens are its tail, so the write's slot_mapping is a slice of it.
+        context_slots = self._slot_mapping(block_table, 0, context_len)
+        slot_mapping = context_slots[start_pos:]
+        x = self.model.embed_tokens(ids)
+        for layer_idx, layer in enumerate(self.model.layers):
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+            self._write_kv(layer_idx, k, v, slot_mapping)
+            keys, values = self._gather_kv(layer_idx, context_slots)
+            attn = self._attention(q, keys, values, start_pos)
+            x = x + layer.self_attn.o_proj(attn.reshape(ids.shape[0], -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.lm_head(self.model.norm(x))
+
+    @torch.inference_mode()
+    def forward_batched(
+        self, chunks: list[list[int]], block_tables: list[list[int]], start_positions: list[int]
+    ) -> torch.Tensor:
+        """Run many sequences' chunks as one flat batch; return each chunk's last logits.
+
+        The tokens of all sequences (prefill chunks and decode tokens alike) are concatenated
+        into one ``[total_tokens, d_model]`` batch, so embedding, norms, projections and the MLP
+        run once per layer for everyone, and one scatter writes every token's K/V. Only
+        attention needs to know where one sequence ends: ``cu_seqlens`` (vLLM's
+        ``query_start_loc``) marks the boundaries, and each sequence attends over its own
+        context. Returns ``[num_seqs, vocab]``: only the last token of a chunk is ever sampled,
+        so only those rows go through the final norm and ``lm_head``.
+        """
+        ids = self.token_tensor([t for chunk in chunks for t in chunk])
+        cu_seqlens = [0, *itertools.accumulate(len(chunk) for chunk in chunks)]
+        context_slots, positions = [], []
+        for table, start, chunk in zip(block_tables, start_positions, chunks):
+            self._check_block_table(table, start + len(chunk))
+            context_slots.append(self._slot_mapping(table, 0, start + len(chunk)))
+            positions.append(torch.arange(start, start + len(chunk), device=self.device))
+        slot_mapping = torch.cat([s[start:] for s, start in zip(context_slots, start_positions)])
+        cos, sin = rope_cos_sin(torch.cat(positions), self.cfg)
+        x = self.model.embed_tokens(ids)
+        for layer_idx, layer in enumerate(self.model.layers):
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+            self._write_kv(layer_idx, k, v, slot_mapping)  # one scatter for the whole batch
+            attn = torch.empty_like(q)
+            for i, (slots, start) in enumerate(zip(context_slots, start_positions)):
+                rows = slice(cu_seqlens[i], cu_seqlens[i + 1])  # this sequence's tokens
+                keys, values = self._gather_kv(layer_idx, slots)
+                attn[rows] = self._attention(q[rows], keys, values, start)
+            x = x + layer.self_attn.o_proj(attn.reshape(ids.shape[0], -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        last_rows = torch.tensor(cu_seqlens[1:], device=self.device) - 1
+        return self.lm_head(self.model.norm(x[last_rows]))
+
+    def _check_block_table(self, block_table: list[int], context_len: int) -> None:
+        if len(block_table) * self.cfg.block_size < context_len:
+            raise ValueError(
+                f"block_table of {len(block_table)} blocks cannot hold "
+                f"{context_len} tokens at block_size={self.cfg.block_size}"
+            )
+
+    def _slot_mapping(self, block_table: list[int], start_pos: int, count: int) -> torch.Tensor:
+        """Flat slot ids ``block_table[pos // bs] * bs + pos % bs`` for positions
+        ``start_pos ... start_pos+count-1``: the two-step addressing, for all tokens at once."""
+        block_size = self.cfg.block_size
+        positions = torch.arange(start_pos, start_pos + count, device=self.device)
+        table = torch.as_tensor(block_table, dtype=torch.long, device=self.device)
+        return table[positions // block_size] * block_size + positions % block_size
+
+    def _flat_slots(self, pool: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """``pool[layer]`` seen as ``[total_blocks * block_size, H, d_head]``: one row per slot.
+
+        A view, not a copy: row ``block_id * block_size + offset`` is that block's slot, so an
+        indexed assignment through it writes the pool itself.
+        """
+        return pool[layer_idx].flatten(0, 1)
+
+    def _write_kv(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Store every token's K/V with one scatter: all T rows in one indexed assignment."""
+        self._flat_slots(self.kv_pool_k, layer_idx)[slot_mapping] = k
+        self._flat_slots(self.kv_pool_v, layer_idx)[slot_mapping] = v
+
+    def _gather_kv(
+        self, layer_idx: int, context_slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The context's K/V, ``[context_len, H, d_head]`` each, in one indexed read.
+
+        Through the same flat view as the write: row ``context_slots[p]`` holds position ``p``
+        wherever its block lies, so one gather replaces the per-block slices and the cat.
+        """
+        keys = self._flat_slots(self.kv_pool_k, layer_idx)[context_slots]
+        values = self._flat_slots(self.kv_pool_v, layer_idx)[context_slots]
+        return keys, values
+
+    def _attention(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int
+    ) -> torch.Tensor:
+        """Causal attention of the chunk's queries ``[T, H, d_head]`` over the whole context.
+
+        Heads are independent, so they become the batch dimension of one batched matmul:
+        ``[H, T, d_head] @ [H, d_head, S] -> [H, T, S]`` scores, ``[H, T, S] @ [H, S, d_head]``
+        outputs. Each head's numbers are the ones the per-head loop computed.
+        """
+        mask = self._causal_mask(q.shape[0], start_pos)
+        scale = 1.0 / math.sqrt(self.cfg.d_head)
+        q_h, k_h, v_h = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
+        scores = q_h @ k_h.transpose(1, 2) * scale
+        if mask is not None:
+            scores = scores + mask  # the mask broadcasts over heads
+        probs = scores.to(compute_dtype(q.dtype)).softmax(dim=-1).to(q.dtype)
+        return (probs @ v_h).transpose(0, 1)
+
+    def _causal_mask(self, num_queries: int, start_pos: int) -> torch.Tensor | None:
+        """Additive mask ``[T, start_pos+T]``: query i (at start_pos+i) sees keys 0..start_pos+i.
+
+        One broadcast comparison of query positions (a column) against key positions (a row)
+        builds the whole mask. A decode step (T = 1) needs none: its single query is the newest
+        token, and every key in the context is at or before it.
+        """
+        if num_queries == 1:
+            return None
+        context_len = start_pos + num_queries
+        key_pos = torch.arange(context_len, device=self.device)
+        query_pos = key_pos[start_pos:, None]
+        mask = torch.zeros(num_queries, context_len, dtype=self.cfg.dtype, device=self.device)
+        return mask.masked_fill_(key_pos > query_pos, float("-inf"))

@@ -1,0 +1,302 @@
+"""The block-granular prefix cache, observed through each step's engine.
+
+A cache hit replaces computation with shared KV, so every test here checks two things: that the
+hit happened where the design says it must (full blocks, whole chains, LRU eviction), and that
+the tokens are still exactly the dense reference's, i.e. that no hit ever served wrong KV.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from common import hashing
+from common.workload import demo_prompts, random_shared_prefix_prompts, shared_prefix_prompts
+from tests.conftest import assert_engine_matches_reference, reference_tokens, tiny_config
+
+CFG = tiny_config()
+BS = CFG.block_size
+VOCAB = CFG.vocab_size
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Served:
+    """One request's output and what the cache gave it."""
+
+    output: list[int]
+    cached_tokens: int
+    hit: bool
+
+
+def tokens(seed: int, n: int, low: int = 0) -> list[int]:
+    """``n`` random token ids in ``[low, VOCAB)``; distinct seeds give unrelated prompts."""
+    rng = random.Random(seed)
+    return [rng.randrange(low, VOCAB) for _ in range(n)]
+
+
+def serve(engine, prompt: list[int], max_new_tokens: int = 3) -> Served:
+    """Run one request alone and read its own counters (stats are reset first)."""
+    engine.reset_stats()
+    (output,) = engine.generate([prompt], max_new_tokens)
+    stats = engine.stats
+    assert stats.requests == 1
+    assert stats.prompt_tokens == len(prompt)
+    return Served(output, stats.cached_tokens, stats.requests_hit == 1)
+
+
+def serve_all(engine, prompts: list[list[int]], max_new_tokens: int = 3) -> list[Served]:
+    """Serve prompts one after another, and check every output against the reference."""
+    served = [serve(engine, p, max_new_tokens) for p in prompts]
+    expected = reference_tokens(engine.model.cfg, prompts, max_new_tokens)
+    assert [s.output for s in served] == expected
+    return served
+
+
+def cached_block_ids(engine) -> list[int]:
+    return [b for b in range(engine.block_manager.total_blocks) if b in engine.prefix_cache]
+
+
+def assert_at_rest(engine) -> None:
+    """At rest every block is free or cached, and no request holds any."""
+    stats = engine.stats
+    assert stats.blocks_free + stats.blocks_cached == engine.block_manager.total_blocks
+    assert stats.blocks_used == 0
+
+
+# ---- the chapter's demo -------------------------------------------------------------------------
+
+
+def test_demo_cold_then_hot_round(make_engine) -> None:
+    """The chapter's numbers: cold 9/10 (the first request stores the prefix), hot 10/10."""
+    engine = make_engine(tiny_config(block_size=16))
+    prompts = demo_prompts(engine.model.cfg.vocab_size, block_size=16)
+    rounds = []
+    for expected_hits in (9, 10):
+        engine.reset_stats()
+        rounds.append(assert_engine_matches_reference(engine, prompts, 4, serial=True))
+        assert (engine.stats.requests, engine.stats.requests_hit) == (10, expected_hits)
+    assert rounds[0] == rounds[1]
+    assert_at_rest(engine)
+
+
+# ---- where hits may happen ----------------------------------------------------------------------
+
+
+def test_cached_tokens_are_whole_blocks(make_engine) -> None:
+    """Only full blocks are cached, so a hit always covers a whole number of blocks."""
+    engine = make_engine()
+    prompts = random_shared_prefix_prompts(random.Random(0), VOCAB, max_prompts=10)
+    prompts += prompts  # a hot pass, so that hits certainly occur
+    served = serve_all(engine, prompts)
+    assert any(s.hit for s in served)
+    for prompt, s in zip(prompts, served):
+        assert s.cached_tokens % BS == 0
+        assert s.cached_tokens < len(prompt)  # the last prompt token is always computed
+        assert s.hit == (s.cached_tokens > 0)
+
+
+@pytest.mark.parametrize(("full_blocks", "extra"), [(1, 1), (2, BS - 1)])
+def test_shared_partial_block_is_not_a_hit(make_engine, full_blocks: int, extra: int) -> None:
+    """Two prompts agreeing on k full blocks plus part of the next: exactly k blocks hit."""
+    shared = tokens(1, full_blocks * BS + extra)
+    tail = tokens(2, 5)
+    other_tail = [(tail[0] + 1) % VOCAB, *tail[1:]]
+    first, second = serve_all(make_engine(), [shared + tail, shared + other_tail])
+    assert first.cached_tokens == 0
+    assert second.cached_tokens == full_blocks * BS
+
+
+def test_same_block_after_a_different_prefix_misses(make_engine) -> None:
+    """Chain hashing: a block's KV depends on everything before it, so identical block
+    contents behind a different first block must not be reused."""
+    head_a, head_c, middle = tokens(3, BS), tokens(4, BS), tokens(5, BS)
+    prompts = [head_a + middle + [1], head_c + middle + [1], head_a + middle + [2]]
+    _, other_head, same_head = serve_all(make_engine(), prompts)
+    assert other_head.cached_tokens == 0 and not other_head.hit
+    assert same_head.cached_tokens == 2 * BS  # the control: the middle block was cached
+    hashes = [hashing.hash_prefix_blocks(p, BS) for p in prompts[:2]]
+    assert hashes[0][1] != hashes[1][1]
+
+
+def test_full_prompt_hit_recomputes_last_block(make_engine) -> None:
+    """A prompt of whole blocks sent again hits all blocks but the last (its last token's
+    logits are needed), gives the same tokens, and never writes a shared block."""
+    engine = make_engine()
+    prompt = tokens(6, 3 * BS)
+    (cold,) = serve_all(engine, [prompt], max_new_tokens=6)
+    shared = cached_block_ids(engine)
+    assert len(shared) == 3
+    kv_before = [pool[:, shared].clone() for pool in kv_pools(engine)]
+    (hot,) = serve_all(engine, [prompt], max_new_tokens=6)
+    assert (cold.cached_tokens, hot.cached_tokens) == (0, len(prompt) - BS)
+    assert hot.output == cold.output
+    for before, pool in zip(kv_before, kv_pools(engine)):
+        assert torch.equal(pool[:, shared], before)
+
+
+def kv_pools(engine) -> tuple[torch.Tensor, torch.Tensor]:
+    return engine.model.kv_pool_k, engine.model.kv_pool_v
+
+
+# ---- the hash -----------------------------------------------------------------------------------
+
+
+def test_token_ids_above_255(make_engine) -> None:
+    """``bytes(tokens)`` would fail (or wrap) above 255; the engine must serve and cache them."""
+    prompt = tokens(7, 2 * BS + 1, low=256)
+    first, second = serve_all(make_engine(), [prompt, prompt])
+    assert (first.cached_tokens, second.cached_tokens) == (0, 2 * BS)
+    wrapped = [t - 256 for t in prompt]
+    assert hashing.hash_prefix_blocks(prompt, BS) != hashing.hash_prefix_blocks(wrapped, BS)
+    assert hashing.hash_block(hashing.ROOT_HASH, [256]) != hashing.hash_block(
+        hashing.ROOT_HASH, [0]
+    )
+
+
+HASH_INPUT = (987654321, [0, 255, 256, 511, 70000])
+
+
+def test_hash_is_stable_across_processes() -> None:
+    """Python's ``hash()`` of str/bytes is salted per process; the block hash must not be."""
+    code = (
+        "from common.hashing import hash_block\n"
+        f"print(hash_block({HASH_INPUT[0]}, {HASH_INPUT[1]}))\n"
+    )
+    expected = hashing.hash_block(*HASH_INPUT)
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO_ROOT)}
+        result = subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True
+        )
+        assert result.returncode == 0, result.stderr
+        assert int(result.stdout) == expected
+
+
+COLLIDING_HASHES: dict[str, Callable[[int, list[int]], int]] = {
+    "constant": lambda parent, token_ids: 7,
+    "three values": lambda parent, token_ids: (parent + sum(token_ids)) % 3,
+}
+
+
+def collision_workload() -> list[list[int]]:
+    """An unrelated prompt first (it claims the colliding hashes), then three prompts sharing
+    a three-block prefix: without collisions the last two hit all three blocks."""
+    prefix = tokens(8, 3 * BS)
+    return [tokens(9, 3 * BS + 1)] + [prefix + tokens(10 + i, 2) for i in range(3)]
+
+
+def cached_tokens_served(engine, prompts: list[list[int]]) -> int:
+    return sum(s.cached_tokens for s in serve_all(engine, prompts))
+
+
+@pytest.mark.parametrize("name", sorted(COLLIDING_HASHES))
+def test_hash_collisions_cost_hits_not_correctness(
+    make_engine, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Every hit is verified against its tokens and parent, so a colliding hash can only
+    lose hits; ``serve_all`` checks the tokens against the reference either way."""
+    prompts = collision_workload()
+    honest = cached_tokens_served(make_engine(), prompts)
+    monkeypatch.setattr(hashing, "hash_block", COLLIDING_HASHES[name])
+    colliding = cached_tokens_served(make_engine(), prompts)
+    assert colliding < honest
+
+
+# ---- eviction -----------------------------------------------------------------------------------
+
+EVICTION_CFG = tiny_config(total_blocks=8)
+CHAIN_A, CHAIN_B = tokens(11, 2 * BS + 1), tokens(12, 2 * BS + 1)  # 3 blocks, 2 of them cached
+
+
+def fill_pool_without_caching(engine, evict: int) -> None:
+    """A one-block prompt with a long answer: needs ``evict`` blocks beyond the free pool and
+    caches none (decode never caches), so the cache loses exactly ``evict`` blocks."""
+    prompt = tokens(13, BS - 1)
+    need = engine.stats.blocks_free + evict
+    max_new_tokens = need * BS - len(prompt) + 1  # blocks for prompt + all but the last token
+    serve_all(engine, [prompt], max_new_tokens)
+
+
+@pytest.mark.parametrize(
+    ("history", "survivor", "evicted"),
+    [
+        pytest.param([CHAIN_A, CHAIN_B], CHAIN_B, CHAIN_A, id="A-then-B"),
+        pytest.param([CHAIN_A, CHAIN_B, CHAIN_A], CHAIN_A, CHAIN_B, id="A-reused-last"),
+    ],
+)
+def test_eviction_is_lru_and_tail_first(
+    make_engine, history: list[list[int]], survivor: list[int], evicted: list[int]
+) -> None:
+    """Two cached 2-block chains, then a request that needs 3 more blocks than are free: the
+    least recently used chain goes whole, then the other chain's tail; only its head is left."""
+    engine = make_engine(EVICTION_CFG)
+    serve_all(engine, history, max_new_tokens=1)
+    assert engine.stats.blocks_cached == 4
+    fill_pool_without_caching(engine, evict=3)
+    assert (engine.stats.evictions, engine.stats.blocks_cached) == (3, 1)
+    head_only = serve(engine, survivor, max_new_tokens=1)
+    assert (head_only.hit, head_only.cached_tokens) == (True, BS)
+    gone = serve(engine, evicted, max_new_tokens=1)
+    assert (gone.hit, gone.cached_tokens) == (False, 0)
+    assert engine.stats.evictions == 3
+    assert_at_rest(engine)
+
+
+def test_no_eviction_while_the_free_pool_lasts(make_engine) -> None:
+    """Cached blocks are only taken back when the free pool cannot serve an allocation."""
+    engine = make_engine(EVICTION_CFG)
+    serve_all(engine, [CHAIN_A, CHAIN_B], max_new_tokens=1)
+    fill_pool_without_caching(engine, evict=0)
+    assert (engine.stats.evictions, engine.stats.blocks_cached) == (0, 4)
+    assert all(s.cached_tokens == 2 * BS for s in serve_all(engine, [CHAIN_A, CHAIN_B], 1))
+
+
+# ---- switches and counters ----------------------------------------------------------------------
+
+
+def test_disabled_cache_never_hits(make_engine) -> None:
+    """With the cache off the same tokens come out, and nothing stays behind at rest."""
+    engine = make_engine(enable_prefix_cache=False)
+    prompts = demo_prompts(VOCAB, block_size=BS)
+    for _ in range(2):
+        engine.reset_stats()
+        assert_engine_matches_reference(engine, prompts, 3, serial=True)
+        assert (engine.stats.requests, engine.stats.requests_hit) == (len(prompts), 0)
+        assert engine.stats.cached_tokens == 0
+    assert (engine.stats.blocks_cached, engine.stats.blocks_free) == (0, CFG.total_blocks)
+    assert_at_rest(engine)
+
+
+def test_block_stats_in_flight_and_at_rest(make_engine) -> None:
+    """Running requests hold blocks (blocks_used > 0); once done, free + cached = total."""
+    engine = make_engine()
+    prompts = shared_prefix_prompts(3, 2 * BS, 3, VOCAB)
+    for prompt in prompts:
+        engine.add_request(prompt, 4)
+    engine.step()
+    assert engine.stats.blocks_used > 0
+    while engine.has_work:
+        engine.step()
+    assert engine.stats.blocks_cached > 0
+    assert_at_rest(engine)
+
+
+def test_prefix_shared_within_one_round(make_engine) -> None:
+    """Requests prefilling together cannot hit each other's blocks (none exists yet): each
+    computes its own copy. Whatever the hit rate, cold and hot rounds give the reference."""
+    engine = make_engine(max_running=4)
+    prompts = shared_prefix_prompts(4, 2 * BS + 2, 3, VOCAB, seed=1)
+    for _ in range(2):
+        engine.reset_stats()
+        assert_engine_matches_reference(engine, prompts, 4)
+        assert engine.stats.cached_tokens % BS == 0
+    assert_at_rest(engine)
