@@ -94,7 +94,14 @@ class PagedPrefixCacheEngine:
         ids = [self.add_request(p, max_new_tokens, eos_token_id) for p in prompts]
         while self.has_work:
             self.step()
-        return [self._outputs.pop(i) for i in ids]
+        return [self.pop_output(i) for i in ids]
+
+    def pop_output(self, request_id: int) -> list[int]:
+        """The generated ids of a finished request, handed out once (``add_request`` + ``step``
+        users call this when the request is done)."""
+        if request_id not in self._outputs:
+            raise KeyError(f"request {request_id} has not finished, or its output was taken")
+        return self._outputs.pop(request_id)
 
     def generate_serial(
         self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None = None

@@ -15,6 +15,10 @@ from common.steps import available_steps, load_step
 
 STEP_NAMES = available_steps()
 
+# The test model is tiny: a second thread only adds synchronisation, and on a busy 2-core
+# machine it makes every small matmul wait (100x slower was seen).
+torch.set_num_threads(1)
+
 
 @pytest.fixture(params=STEP_NAMES)
 def step(request: pytest.FixtureRequest) -> ModuleType:

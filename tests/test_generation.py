@@ -55,12 +55,6 @@ def drive(engine: object, prompts: list[list[int]], max_new: int) -> tuple[list[
     return ids, rounds
 
 
-def finished_output(engine: object, request_id: int) -> list[int]:
-    """The public API has no getter for a request served through step(); ``generate`` reads
-    this same table, so reading it here compares like with like."""
-    return engine._outputs.pop(request_id)
-
-
 def truncate_at(tokens: list[int], eos: int) -> list[int]:
     return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
 
@@ -133,7 +127,7 @@ def test_step_api_matches_generate(make_engine: EngineFactory) -> None:
     engine = make_engine(max_running=len(prompts))
     ids, rounds = drive(engine, prompts, MAX_NEW)
     assert len(set(ids)) == len(ids)
-    via_step = [finished_output(engine, i) for i in ids]
+    via_step = [engine.pop_output(i) for i in ids]
     assert via_step == make_engine().generate(prompts, MAX_NEW) == expected(prompts)
     prefill_rounds = max(-(-len(p) // cfg.block_size) for p in prompts)
     assert rounds == prefill_rounds + MAX_NEW - 1

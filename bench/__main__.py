@@ -1,0 +1,5 @@
+import sys
+
+from .showcase import main
+
+sys.exit(main())

@@ -1,0 +1,37 @@
+"""End to end: the same shared-prefix workload through every step's engine.
+
+    pytest bench/test_e2e.py --benchmark-columns=median,rounds --benchmark-sort=name
+
+Each round serves all requests through a fresh engine (a cold cache), with continuous batching.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+
+from bench.harness import StepRunner, Workload, bench_config
+from common.reference import ReferenceModel, reference_generate
+from common.steps import STEPS, available_steps
+
+WORKLOAD = Workload(num_requests=8, prefix_len=128, tail_len=16, max_new_tokens=16, max_running=8)
+CFG = bench_config(WORKLOAD)
+
+
+@cache
+def expected_tokens() -> list[list[int]]:
+    prompts = WORKLOAD.prompts(CFG.vocab_size)
+    return reference_generate(ReferenceModel(CFG), prompts, WORKLOAD.max_new_tokens)
+
+
+@pytest.mark.parametrize("step_name", STEPS)
+def test_end_to_end(benchmark, step_name: str) -> None:
+    if step_name not in available_steps():
+        pytest.skip(f"{step_name} does not exist yet")
+    runner = StepRunner(step_name, CFG)
+    prompts = WORKLOAD.prompts(CFG.vocab_size)
+    benchmark.group = "end to end"
+    result = benchmark.pedantic(runner.run, args=(prompts, WORKLOAD), rounds=3, iterations=1)
+    benchmark.extra_info["cached_tokens"] = result.cached_tokens
+    assert result.outputs == expected_tokens()
