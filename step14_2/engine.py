@@ -114,12 +114,12 @@ class PagedPrefixCacheEngine:
     @property
     def stats(self) -> EngineStats:
         bm, cache = self.block_manager, self.prefix_cache
-        cache_only = cache.num_evictable if cache else 0
+        cache_only = cache.num_evictable if cache is not None else 0
         return replace(
             self._counters,
-            evictions=cache.num_evictions if cache else 0,
+            evictions=cache.num_evictions if cache is not None else 0,
             blocks_free=bm.num_free,
-            blocks_cached=len(cache) if cache else 0,
+            blocks_cached=len(cache) if cache is not None else 0,
             blocks_used=bm.total_blocks - bm.num_free - cache_only,
         )
 
@@ -134,12 +134,12 @@ class PagedPrefixCacheEngine:
         if self.has_work:
             return ["engine is not at rest"]
         for block_id in range(bm.total_blocks):
-            expected = 1 if self.prefix_cache and block_id in self.prefix_cache else 0
+            expected = 1 if self.prefix_cache is not None and block_id in self.prefix_cache else 0
             if bm.ref_count(block_id) != expected:
                 problems.append(
                     f"block {block_id}: ref_count {bm.ref_count(block_id)}, expected {expected}"
                 )
-        cached = len(self.prefix_cache) if self.prefix_cache else 0
+        cached = len(self.prefix_cache) if self.prefix_cache is not None else 0
         if bm.num_free + cached != bm.total_blocks:
             problems.append(f"free {bm.num_free} + cached {cached} != total {bm.total_blocks}")
         return problems
@@ -152,7 +152,7 @@ class PagedPrefixCacheEngine:
         return -(-(prompt_len + max_new_tokens - 1) // self.block_size)
 
     def _available_blocks(self) -> int:
-        evictable = self.prefix_cache.num_evictable if self.prefix_cache else 0
+        evictable = self.prefix_cache.num_evictable if self.prefix_cache is not None else 0
         return self.block_manager.num_free + evictable - self._reserved
 
     def _can_admit(self, seq: Sequence) -> bool:

@@ -22,12 +22,12 @@ BLOCK_SIZE = 4
 TOTAL_BLOCKS = 8  # the pool holds 32 token slots: a request of 33 can never run
 CFG = tiny_config(block_size=BLOCK_SIZE, total_blocks=TOTAL_BLOCKS)
 VOCAB = CFG.vocab_size
-MAX_NEW = 3
+MAX_NEW = 2
 
 _rng = random.Random(7)
 GOOD = [_rng.randrange(VOCAB) for _ in range(9)]
-WARMUP = [GOOD[:8] + [_rng.randrange(VOCAB)], [_rng.randrange(VOCAB) for _ in range(5)]]
-QUEUED = GOOD[:4] + [_rng.randrange(VOCAB) for _ in range(2)]
+WARMUP = [[*GOOD[:8], _rng.randrange(VOCAB)]]
+QUEUED = [*GOOD[:4], *(_rng.randrange(VOCAB) for _ in range(2))]
 
 
 @dataclass(frozen=True)
