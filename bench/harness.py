@@ -17,7 +17,7 @@ class Workload:
     """Requests behind one shared prefix (a system prompt), served together."""
 
     num_requests: int = 16
-    prefix_len: int = 192
+    prefix_len: int = 128
     tail_len: int = 32
     max_new_tokens: int = 32
     max_running: int = 8

@@ -52,9 +52,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=w.max_new_tokens)
     p.add_argument("--max-running", type=int, default=w.max_running)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--model", default="bench", help="config preset: tiny, demo or bench")
+    p.add_argument("--model", default="demo", help="config preset: tiny, demo or bench")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--steps", default=",".join(available_steps()), help="comma-separated")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face row")
@@ -89,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = workload.prompts(cfg.vocab_size)
     steps = [s for s in args.steps.split(",") if s]
     new_tokens = workload.num_requests * workload.max_new_tokens
-    torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(report.header(cfg, workload, args.repeats))
     rows = []
     for name in steps:
