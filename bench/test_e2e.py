@@ -12,8 +12,10 @@ from functools import cache
 import pytest
 
 from bench.harness import StepRunner, Workload, bench_config
+from common.config import preset
 from common.reference import ReferenceModel, reference_generate
-from common.steps import STEPS, available_steps
+from common.steps import STEPS, available_steps, load_step
+from common.workload import shared_prefix_prompts
 
 WORKLOAD = Workload(num_requests=8, prefix_len=128, tail_len=16, max_new_tokens=16, max_running=8)
 CFG = bench_config(WORKLOAD)
@@ -35,3 +37,31 @@ def test_end_to_end(benchmark, step_name: str) -> None:
     result = benchmark.pedantic(runner.run, args=(prompts, WORKLOAD), rounds=3, iterations=1)
     benchmark.extra_info["cached_tokens"] = result.cached_tokens
     assert result.outputs == expected_tokens()
+
+
+HASH_PAIR = ("step14_4", "step14_5")
+LONG_PROMPT_BLOCKS = 256
+
+
+@pytest.mark.parametrize("step_name", HASH_PAIR)
+def test_long_prompt_hashing(benchmark, step_name: str) -> None:
+    """step14_5's fix in isolation: one cold 4096-token prompt through the tiny model, where
+    re-hashing the chain for every block (O(n^2) links) is a visible part of the request."""
+    if step_name not in available_steps():
+        pytest.skip(f"{step_name} does not exist yet")
+    cfg = preset("tiny", block_size=16, total_blocks=LONG_PROMPT_BLOCKS + 2)
+    step = load_step(step_name)
+    model = step.TinyTransformerPaged(cfg)
+    prompt = shared_prefix_prompts(1, LONG_PROMPT_BLOCKS * 16, 0, cfg.vocab_size)[0]
+    benchmark.group = "long prompt, cold cache"
+
+    def serve() -> list[list[int]]:
+        return step.PagedPrefixCacheEngine(model).generate([prompt], 1)
+
+    outputs = benchmark.pedantic(serve, rounds=3, iterations=1)
+    assert outputs == reference_generate(reference_model_for(cfg), [prompt], 1)
+
+
+@cache
+def reference_model_for(cfg) -> ReferenceModel:
+    return ReferenceModel(cfg)
