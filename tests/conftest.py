@@ -32,6 +32,12 @@ def tiny_config(**changes: object) -> ModelConfig:
     return preset("tiny", **changes)
 
 
+def blocks_needed(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
+    """A request's whole-life need, as the engine admits it: every token whose KV is written
+    (the last generated token is never fed back)."""
+    return -(-(prompt_len + max_new_tokens - 1) // block_size)
+
+
 @cache
 def reference_model(cfg: ModelConfig) -> ReferenceModel:
     return ReferenceModel(cfg)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 
 from common.workload import shared_prefix_prompts
-from tests.conftest import EngineFactory, reference_tokens, tiny_config
+from tests.conftest import EngineFactory, blocks_needed, reference_tokens, tiny_config
 
 BLOCK_SIZE = 4
 MAX_NEW = 4
@@ -23,17 +23,12 @@ VOCAB = tiny_config().vocab_size
 Runner = Callable[[object, list[list[int]]], list[list[int]]]
 
 
-def blocks_needed(prompt_len: int, max_new_tokens: int, block_size: int = BLOCK_SIZE) -> int:
-    """A request's whole-life need: every token whose KV is written (not the last generated)."""
-    return -(-(prompt_len + max_new_tokens - 1) // block_size)
-
-
 def largest_need(prompts: list[list[int]], max_new_tokens: int = MAX_NEW) -> int:
-    return max(blocks_needed(len(p), max_new_tokens) for p in prompts)
+    return max(blocks_needed(len(p), max_new_tokens, BLOCK_SIZE) for p in prompts)
 
 
 def total_need(prompts: list[list[int]], max_new_tokens: int = MAX_NEW) -> int:
-    return sum(blocks_needed(len(p), max_new_tokens) for p in prompts)
+    return sum(blocks_needed(len(p), max_new_tokens, BLOCK_SIZE) for p in prompts)
 
 
 def mixed_prompts() -> list[list[int]]:
@@ -158,7 +153,7 @@ def test_evictions_are_reported_even_when_the_cache_ends_empty(make_engine: Engi
     prompt fills no block), so it can only run by evicting that block."""
     first = distinct_prompts(count=1, length=BLOCK_SIZE + 1)
     second = distinct_prompts(count=2, length=BLOCK_SIZE - 1)[1:]
-    pool = blocks_needed(len(second[0]), MAX_NEW)
+    pool = blocks_needed(len(second[0]), MAX_NEW, BLOCK_SIZE)
     engine = engine_for(make_engine, pool)
     assert engine.generate(first, 1) == reference_tokens(engine.model.cfg, first, 1)
     assert engine.stats.blocks_cached == 1

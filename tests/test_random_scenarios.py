@@ -18,7 +18,13 @@ import pytest
 
 from common.config import ModelConfig
 from common.workload import random_shared_prefix_prompts
-from tests.conftest import STEP_NAMES, EngineFactory, reference_tokens, tiny_config
+from tests.conftest import (
+    STEP_NAMES,
+    EngineFactory,
+    blocks_needed,
+    reference_tokens,
+    tiny_config,
+)
 
 # At least 300 scenarios in all, however many steps exist (ceil(320 / 8) = 40 per step).
 SEEDS_PER_STEP = math.ceil(320 / len(STEP_NAMES))
@@ -42,11 +48,6 @@ class Scenario:
     @property
     def prompt_lists(self) -> list[list[int]]:
         return [list(p) for p in self.prompts]
-
-
-def blocks_needed(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
-    """A request's whole-life need (the last generated token's KV is never written)."""
-    return -(-(prompt_len + max_new_tokens - 1) // block_size)
 
 
 def draw_pool(rng: random.Random, needs: list[int]) -> int:
