@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -48,7 +48,6 @@ class RunResult:
     requests_hit: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class StepRunner:

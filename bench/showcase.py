@@ -77,6 +77,8 @@ def measure(name: str, fixes: str, run, repeats: int, new_tokens: int) -> Row:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     workload = Workload(
         args.requests, args.prefix_len, args.tail_len, args.new_tokens, args.max_running
     )
@@ -88,43 +90,28 @@ def main(argv: list[str] | None = None) -> int:
         dtype=parse_dtype(args.dtype),
     )
     prompts = workload.prompts(cfg.vocab_size)
-    steps = [s for s in args.steps.split(",") if s]
     new_tokens = workload.num_requests * workload.max_new_tokens
-    if args.threads:
-        torch.set_num_threads(args.threads)
     print(report.header(cfg, workload, args.repeats))
-    rows = []
-    for name in steps:
+
+    def timed(name: str, fixes: str, run) -> Row:
+        return measure(name, fixes, run, args.repeats, new_tokens)
+
+    rows, runner = [], None
+    for name in [s for s in args.steps.split(",") if s]:
         runner = StepRunner(name, cfg)
-        rows.append(
-            measure(
-                name,
-                FIXES[name][1],
-                lambda r=runner: r.run(prompts, workload),
-                args.repeats,
-                new_tokens,
-            )
+        rows.append(timed(name, FIXES[name][1], lambda r=runner: r.run(prompts, workload)))
+    # The last step again, cache off: what the prefix cache itself buys.
+    extra = [
+        timed(
+            f"{rows[-1].name} (no cache)",
+            "the same, prefix cache disabled",
+            lambda: runner.run(prompts, workload, enable_prefix_cache=False),
         )
-    last = steps[-1]
-    runner = StepRunner(last, cfg)
-    no_cache = measure(
-        f"{last} (no cache)",
-        "the same, prefix cache disabled",
-        lambda: runner.run(prompts, workload, enable_prefix_cache=False),
-        args.repeats,
-        new_tokens,
-    )
-    extra = [no_cache]
+    ]
     hf_run = None if args.no_hf else hf_runner(cfg, prompts, workload)
     if hf_run is not None:
         extra.append(
-            measure(
-                "HF generate",
-                "transformers LlamaForCausalLM.generate, batched",
-                hf_run,
-                args.repeats,
-                new_tokens,
-            )
+            timed("HF generate", "transformers LlamaForCausalLM.generate, batched", hf_run)
         )
     expected = None if args.no_reference else reference_tokens(cfg, prompts, workload)
     same = report.check_tokens(rows + extra, expected)
