@@ -2,9 +2,37 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """The ``llama3`` RoPE frequency scaling of Llama 3.1/3.2 checkpoints (HF's field names).
+
+    Long wavelengths (low frequencies) are stretched by ``factor`` so that positions beyond the
+    pre-training context still rotate slowly; short wavelengths are left alone; the band between
+    is interpolated smoothly. A frozen dataclass, not a dict, so that ``ModelConfig`` stays
+    hashable.
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0 or self.original_max_position_embeddings < 1:
+            raise ValueError(f"invalid llama3 rope scaling {self}")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                f"llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor, got {self}"
+            )
+
+
+# Fields whose default is derived from others: None means "derive it".
+_DERIVED = ("num_kv_heads", "head_dim")
 
 
 @dataclass(frozen=True)
@@ -13,6 +41,11 @@ class ModelConfig:
 
     ``block_size`` and ``total_blocks`` describe memory, not the network: the reference model
     ignores them, and the paged model sizes ``kv_pool_k`` / ``kv_pool_v`` from them.
+
+    ``num_kv_heads`` (grouped-query attention) defaults to ``num_heads``, the chapter's plain
+    multi-head attention; ``head_dim`` defaults to ``d_model // num_heads``. Both are resolved
+    when the config is built, and re-derived by ``replace`` unless they were given explicitly.
+    ``seed=None`` builds a model without weights, for a loader to fill (``from_pretrained``).
     """
 
     vocab_size: int = 1024
@@ -20,30 +53,49 @@ class ModelConfig:
     num_heads: int = 8
     num_layers: int = 4
     d_ff: int = 688
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    tie_word_embeddings: bool = False
     rope_theta: float = 10000.0
+    rope_scaling: Llama3RopeScaling | None = None
     rms_norm_eps: float = 1e-6
     block_size: int = 16
     total_blocks: int = 512
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
-    seed: int = 0
+    seed: int | None = 0
+    # Which of _DERIVED were left to their default (so that replace() derives them again).
+    _derived: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        derived = frozenset(name for name in _DERIVED if getattr(self, name) is None)
+        object.__setattr__(self, "_derived", derived)
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.head_dim is None:
+            if self.num_heads >= 1 and self.d_model % self.num_heads:
+                raise ValueError(
+                    f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}"
+                )
+            object.__setattr__(self, "head_dim", self.d_model // max(self.num_heads, 1))
         positive = (
             "vocab_size",
             "d_model",
             "num_heads",
             "num_layers",
             "d_ff",
+            "num_kv_heads",
+            "head_dim",
             "block_size",
             "total_blocks",
         )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.d_model % self.num_heads:
+        if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}"
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads="
+                f"{self.num_kv_heads}: each KV head must serve the same number of query heads"
             )
         if self.d_head % 2:
             raise ValueError(f"d_head={self.d_head} must be even for rotary embeddings")
@@ -52,9 +104,21 @@ class ModelConfig:
 
     @property
     def d_head(self) -> int:
-        return self.d_model // self.num_heads
+        """Per-head width (HF's ``head_dim``): ``d_model // num_heads`` unless given."""
+        assert self.head_dim is not None  # resolved in __post_init__
+        return self.head_dim
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        """How many query heads share one K/V head (vLLM's name; 1 = multi-head attention)."""
+        assert self.num_kv_heads is not None  # resolved in __post_init__
+        return self.num_heads // self.num_kv_heads
 
     def replace(self, **changes: object) -> ModelConfig:
+        """A copy with some fields changed; derived defaults follow the fields they come from
+        (``tiny.replace(num_heads=8)`` still has 8 K/V heads, not tiny's 4)."""
+        for name in self._derived:
+            changes.setdefault(name, None)
         return replace(self, **changes)
 
 

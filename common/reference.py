@@ -39,7 +39,14 @@ class ReferenceModel(CausalLM):
 def dense_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
 ) -> torch.Tensor:
-    """softmax(q·kᵀ/√d)·v for ``[T, H, d_head]`` inputs; softmax in float32 or wider."""
+    """softmax(q·kᵀ/√d)·v for q ``[T, H, d_head]``, k and v ``[S, KV, d_head]``; softmax in
+    float32 or wider.
+
+    Grouped-query attention the plainest way: each K/V head is repeated for the query heads it
+    serves (head ``h`` reads K/V head ``h // group``), then it is ordinary multi-head attention.
+    """
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(q.shape[-1])
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = scores.to(compute_dtype(q.dtype)).softmax(dim=-1).to(q.dtype)

@@ -13,6 +13,7 @@ repeated token.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 
@@ -24,14 +25,16 @@ QK_GAIN = 1.5  # >1 sharpens attention scores
 
 def _layer_shapes(cfg: ModelConfig, i: int) -> list[tuple[str, tuple[int, ...], float]]:
     d, f = cfg.d_model, cfg.d_ff
+    q_width = cfg.num_heads * cfg.d_head  # = d_model unless a checkpoint sets head_dim
+    kv_width = cfg.num_kv_heads * cfg.d_head  # grouped-query attention: fewer K/V heads
     p = f"model.layers.{i}."
     proj = 1.0 / math.sqrt(d)
     return [
         (p + "input_layernorm.weight", (d,), 0.0),
-        (p + "self_attn.q_proj.weight", (d, d), QK_GAIN * proj),
-        (p + "self_attn.k_proj.weight", (d, d), QK_GAIN * proj),
-        (p + "self_attn.v_proj.weight", (d, d), proj),
-        (p + "self_attn.o_proj.weight", (d, d), proj),
+        (p + "self_attn.q_proj.weight", (q_width, d), QK_GAIN * proj),
+        (p + "self_attn.k_proj.weight", (kv_width, d), QK_GAIN * proj),
+        (p + "self_attn.v_proj.weight", (kv_width, d), proj),
+        (p + "self_attn.o_proj.weight", (d, q_width), 1.0 / math.sqrt(q_width)),
         (p + "post_attention_layernorm.weight", (d,), 0.0),
         (p + "mlp.gate_proj.weight", (f, d), proj),
         (p + "mlp.up_proj.weight", (f, d), proj),
@@ -40,19 +43,26 @@ def _layer_shapes(cfg: ModelConfig, i: int) -> list[tuple[str, tuple[int, ...], 
 
 
 def weight_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], float]]:
-    """(HF parameter name, shape, std) in generation order. A std of 0 marks a norm weight."""
+    """(HF parameter name, shape, std) in generation order. A std of 0 marks a norm weight.
+
+    This is also the list a checkpoint must hold, name for name and shape for shape. With tied
+    embeddings there is no ``lm_head.weight``: the output projection *is* the embedding matrix,
+    as in HF (whose ``save_pretrained`` leaves the tied copy out).
+    """
     shapes = [("model.embed_tokens.weight", (cfg.vocab_size, cfg.d_model), 1.0)]
     for i in range(cfg.num_layers):
         shapes += _layer_shapes(cfg, i)
     shapes.append(("model.norm.weight", (cfg.d_model,), 0.0))
-    shapes.append(
-        ("lm_head.weight", (cfg.vocab_size, cfg.d_model), LOGIT_SCALE / math.sqrt(cfg.d_model))
-    )
+    if not cfg.tie_word_embeddings:
+        lm_head_std = LOGIT_SCALE / math.sqrt(cfg.d_model)
+        shapes.append(("lm_head.weight", (cfg.vocab_size, cfg.d_model), lm_head_std))
     return shapes
 
 
 def make_state_dict(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """A state dict with HF ``LlamaForCausalLM`` names (float64, CPU) from ``cfg.seed``."""
+    if cfg.seed is None:
+        raise ValueError("cfg.seed is None: this config's weights come from a checkpoint")
     gen = torch.Generator().manual_seed(cfg.seed)
     state = {}
     for name, shape, std in weight_shapes(cfg):
@@ -60,3 +70,28 @@ def make_state_dict(cfg: ModelConfig) -> dict[str, torch.Tensor]:
         # Norm weights near 1 (not exactly 1), so that a swapped or missing one changes outputs.
         state[name] = 1.0 + 0.1 * noise if std == 0.0 else std * noise
     return state
+
+
+class CheckpointError(ValueError):
+    """A set of weights, or a checkpoint's config, that this model cannot take as it is."""
+
+
+def check_weights(weights: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """Raise ``CheckpointError`` unless ``weights`` has exactly the names and shapes of
+    ``weight_shapes(cfg)``: every problem is listed, so one run shows what is wrong."""
+    expected = {name: shape for name, shape, _ in weight_shapes(cfg)}
+    problems = [
+        f"missing tensor {name} {shape}" for name, shape in expected.items() if name not in weights
+    ]
+    for name, tensor in weights.items():
+        if name not in expected:
+            problems.append(f"unexpected tensor {name} {tuple(tensor.shape)}")
+        elif tuple(tensor.shape) != expected[name]:
+            problems.append(
+                f"tensor {name} has shape {tuple(tensor.shape)}, the config implies "
+                f"{expected[name]}"
+            )
+    if problems:
+        shown = "\n  ".join(problems[:12])
+        more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
+        raise CheckpointError(f"the weights do not fit the config:\n  {shown}{more}")

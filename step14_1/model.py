@@ -21,10 +21,11 @@ from common.layers import CausalLM, compute_dtype, rope_cos_sin
 class TinyTransformerPaged(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
-        # [num_layers, total_blocks, block_size, num_heads, d_head]: a block is a page frame of
-        # block_size token slots; each slot holds every head's vector. Non-persistent: KV is
-        # runtime state, not weights, so state_dict() holds weights only.
-        shape = (cfg.num_layers, cfg.total_blocks, cfg.block_size, cfg.num_heads, cfg.d_head)
+        # [num_layers, total_blocks, block_size, num_kv_heads, d_head]: a block is a page frame
+        # of block_size token slots; each slot holds every K/V head's vector. num_kv_heads =
+        # num_heads unless the model uses grouped-query attention, which shrinks every block.
+        # Non-persistent: KV is runtime state, not weights, so state_dict() holds weights only.
+        shape = (cfg.num_layers, cfg.total_blocks, cfg.block_size, cfg.num_kv_heads, cfg.d_head)
         for name in ("kv_pool_k", "kv_pool_v"):
             pool = torch.zeros(shape, dtype=cfg.dtype, device=cfg.device)
             self.register_buffer(name, pool, persistent=False)
@@ -71,7 +72,7 @@ class TinyTransformerPaged(CausalLM):
         return table[positions // block_size] * block_size + positions % block_size
 
     def _flat_slots(self, pool: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """``pool[layer]`` seen as ``[total_blocks * block_size, H, d_head]``: one row per slot.
+        """``pool[layer]`` seen as ``[total_blocks * block_size, KV, d_head]``: one row per slot.
 
         A view, not a copy: row ``block_id * block_size + offset`` is that block's slot, so an
         indexed assignment through it writes the pool itself.
@@ -88,7 +89,7 @@ class TinyTransformerPaged(CausalLM):
     def _gather_kv(
         self, layer_idx: int, block_table: list[int], context_len: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The context's K/V, ``[context_len, H, d_head]`` each, read block by block."""
+        """The context's K/V, ``[context_len, KV, d_head]`` each, read block by block."""
         block_size = self.cfg.block_size
         keys, values = [], []
         for j in range((context_len + block_size - 1) // block_size):
@@ -100,14 +101,20 @@ class TinyTransformerPaged(CausalLM):
     def _attention(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int
     ) -> torch.Tensor:
-        """Causal attention of the chunk's queries ``[T, H, d_head]`` over the whole context."""
+        """Causal attention of the chunk's queries ``[T, H, d_head]`` over the whole context.
+
+        Query head ``h`` reads K/V head ``h // group``: with grouped-query attention, ``group``
+        consecutive query heads share one K/V head (``group`` = 1: plain multi-head attention).
+        """
         mask = self._causal_mask(q.shape[0], start_pos)
         scale = 1.0 / math.sqrt(self.cfg.d_head)
+        group = self.cfg.num_queries_per_kv
         out = torch.empty_like(q)
         for h in range(q.shape[1]):  # one head at a time
-            scores = q[:, h] @ keys[:, h].T * scale + mask
+            kv_h = h // group
+            scores = q[:, h] @ keys[:, kv_h].T * scale + mask
             probs = scores.to(compute_dtype(q.dtype)).softmax(dim=-1).to(q.dtype)
-            out[:, h] = probs @ values[:, h]
+            out[:, h] = probs @ values[:, kv_h]
         return out
 
     def _causal_mask(self, num_queries: int, start_pos: int) -> torch.Tensor:

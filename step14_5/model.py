@@ -21,10 +21,11 @@ from common.layers import CausalLM, compute_dtype, rope_cos_sin
 class TinyTransformerPaged(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
-        # [num_layers, total_blocks, block_size, num_heads, d_head]: a block is a page frame of
-        # block_size token slots; each slot holds every head's vector. Non-persistent: KV is
-        # runtime state, not weights, so state_dict() holds weights only.
-        shape = (cfg.num_layers, cfg.total_blocks, cfg.block_size, cfg.num_heads, cfg.d_head)
+        # [num_layers, total_blocks, block_size, num_kv_heads, d_head]: a block is a page frame
+        # of block_size token slots; each slot holds every K/V head's vector. num_kv_heads =
+        # num_heads unless the model uses grouped-query attention, which shrinks every block.
+        # Non-persistent: KV is runtime state, not weights, so state_dict() holds weights only.
+        shape = (cfg.num_layers, cfg.total_blocks, cfg.block_size, cfg.num_kv_heads, cfg.d_head)
         for name in ("kv_pool_k", "kv_pool_v"):
             pool = torch.zeros(shape, dtype=cfg.dtype, device=cfg.device)
             self.register_buffer(name, pool, persistent=False)
@@ -73,7 +74,7 @@ class TinyTransformerPaged(CausalLM):
         return table[positions // block_size] * block_size + positions % block_size
 
     def _flat_slots(self, pool: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """``pool[layer]`` seen as ``[total_blocks * block_size, H, d_head]``: one row per slot.
+        """``pool[layer]`` seen as ``[total_blocks * block_size, KV, d_head]``: one row per slot.
 
         A view, not a copy: row ``block_id * block_size + offset`` is that block's slot, so an
         indexed assignment through it writes the pool itself.
@@ -90,7 +91,7 @@ class TinyTransformerPaged(CausalLM):
     def _gather_kv(
         self, layer_idx: int, context_slots: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The context's K/V, ``[context_len, H, d_head]`` each, in one indexed read.
+        """The context's K/V, ``[context_len, KV, d_head]`` each, in one indexed read.
 
         Through the same flat view as the write: row ``context_slots[p]`` holds position ``p``
         wherever its block lies, so one gather replaces the per-block slices and the cat.
@@ -106,18 +107,23 @@ class TinyTransformerPaged(CausalLM):
     ) -> torch.Tensor:
         """Causal attention of the chunk's queries ``[T, H, d_head]`` over the whole context.
 
-        Heads are independent, so they become the batch dimension of one batched matmul:
-        ``[H, T, d_head] @ [H, d_head, S] -> [H, T, S]`` scores, ``[H, T, S] @ [H, S, d_head]``
-        outputs. Each head's numbers are the ones the per-head loop computed.
+        Heads are independent, so they become batch dimensions of one batched matmul. Query
+        heads are grouped by the K/V head they read (head ``h`` is member ``h % group`` of group
+        ``h // group``), and each K/V head is broadcast over its group without a copy:
+        ``[KV, group, T, d_head] @ [KV, 1, d_head, S] -> [KV, group, T, S]`` scores,
+        ``[KV, group, T, S] @ [KV, 1, S, d_head]`` outputs. Each head's numbers are the ones the
+        per-head loop computed.
         """
         mask = self._causal_mask(q.shape[0], start_pos)
         scale = 1.0 / math.sqrt(self.cfg.d_head)
-        q_h, k_h, v_h = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
-        scores = q_h @ k_h.transpose(1, 2) * scale
+        group = self.cfg.num_queries_per_kv
+        q_h = q.transpose(0, 1).unflatten(0, (-1, group))  # [KV, group, T, d_head]
+        k_h, v_h = keys.transpose(0, 1)[:, None], values.transpose(0, 1)[:, None]  # [KV, 1, S, d]
+        scores = q_h @ k_h.transpose(-1, -2) * scale
         if mask is not None:
             scores = scores + mask  # the mask broadcasts over heads
         probs = scores.to(compute_dtype(q.dtype)).softmax(dim=-1).to(q.dtype)
-        return (probs @ v_h).transpose(0, 1)
+        return (probs @ v_h).flatten(0, 1).transpose(0, 1)  # [H, T, d_head] -> [T, H, d_head]
 
     def _causal_mask(self, num_queries: int, start_pos: int) -> torch.Tensor | None:
         """Additive mask ``[T, start_pos+T]``: query i (at start_pos+i) sees keys 0..start_pos+i.
