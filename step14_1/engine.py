@@ -1,9 +1,11 @@
 """PagedPrefixCacheEngine: paged KV + block-granular prefix cache + chunked prefill +
 continuous batching, in one loop.
 
-Each round (``step``): the scheduler picks the running set; every prefilling sequence advances
-one chunk of ``block_size`` tokens (chunk = block, so chunk boundaries are cache boundaries);
-every decoding sequence produces one token; finished sequences give their blocks back.
+Each round (``step``): the scheduler picks the running set; every prefilling sequence first
+adopts whatever blocks of its prompt the cache already holds, then advances one chunk of
+``block_size`` tokens (chunk = block, so chunk boundaries are cache boundaries); every decoding
+sequence produces one token; finished sequences give their blocks back. Every block that fills
+up, prompt or output, is cached at once, so the next sequence can adopt it.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from .scheduler import PagedScheduler, Sequence, SequenceStatus
 
 @dataclass
 class EngineStats:
-    requests: int = 0  # requests whose prefill has started (and looked up the cache)
+    requests: int = 0  # requests whose prefill has started
     requests_hit: int = 0  # ... of which at least one block came from the cache
     prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV came from the cache
+    cached_tokens: int = 0  # prompt tokens whose KV came from the cache (adopted blocks)
+    computed_prefill_tokens: int = 0  # prompt tokens the model computed
+    computed_decode_tokens: int = 0  # generated tokens fed back through the model
     evictions: int = 0
     blocks_free: int = 0  # in the free pool
     blocks_cached: int = 0  # held by the prefix cache (maybe also by requests)
@@ -39,6 +43,11 @@ class EngineStats:
     @property
     def token_hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens that went through the model: what the cache did not save."""
+        return self.computed_prefill_tokens + self.computed_decode_tokens
 
 
 class PagedPrefixCacheEngine:
@@ -170,80 +179,125 @@ class PagedPrefixCacheEngine:
             self.prefix_cache.evict(shortfall)
         return self.block_manager.allocate(n)
 
+    def _allocate_slots(self, seq: Sequence, num_tokens: int) -> None:
+        """Grow the block table to hold the KV of the sequence's first ``num_tokens`` tokens.
+
+        A block is taken only when a chunk or a decode token first needs it (vLLM:
+        ``allocate_slots``), out of the reservation made at admission, so this cannot fail.
+        """
+        missing = -(-num_tokens // self.block_size) - len(seq.block_table)
+        if missing > 0:
+            seq.block_table += self._allocate(missing)
+            self._reserved -= missing
+
     def _start_sequence(self, seq: Sequence) -> None:
-        """First prefill step: look up the cache, then build the block table (hits + new)."""
-        need = self._blocks_needed(seq.prompt_len, seq.max_new_tokens)
-        self._reserved -= need
-        hits = self._lookup_prefix_cache(seq)
-        for block_id in hits:  # a hit is zero copy: one more owner, nothing moves
-            self.block_manager.retain(block_id)
-        seq.block_table = hits + self._allocate(need - len(hits))
-        seq.num_cached_blocks = len(hits)
-        seq.prefill_offset = len(hits) * self.block_size
+        """First prefill step: the request counts from here. Its blocks come as it needs them."""
         self._counters.requests += 1
-        self._counters.requests_hit += bool(hits)
         self._counters.prompt_tokens += seq.prompt_len
-        self._counters.cached_tokens += seq.prefill_offset
 
     # ---- the prefix cache -------------------------------------------------------------------
 
+    def _adopt_cached_blocks(self, seq: Sequence) -> None:
+        """Before each prefill chunk, take the prompt's next blocks from the cache where it has
+        them, instead of computing them.
+
+        Looking up at every chunk, not only at admission, lets requests that run together
+        leapfrog through a shared prefix: each computes a block nobody has yet and adopts the
+        ones the others computed, so every shared block is computed exactly once.
+        """
+        hits = self._lookup_prefix_cache(seq)
+        for block_id in hits:  # a hit is zero copy: one more owner, nothing moves
+            self.block_manager.retain(block_id)
+        if hits and not seq.hit_block_ids:
+            self._counters.requests_hit += 1
+        seq.block_table += hits
+        seq.hit_block_ids += hits
+        seq.prefill_offset += len(hits) * self.block_size
+        self._reserved -= len(hits)  # reserved for blocks that now need no allocation
+        self._counters.cached_tokens += len(hits) * self.block_size
+
     def _lookup_prefix_cache(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest cached prefix of the prompt.
+        """Block ids of the cached chain that continues the sequence's block table.
 
         The block holding the last prompt token is never taken from the cache: its logits give
         the first output token, so it is recomputed into a fresh block (shared blocks are
         read-only, and copy-on-write is never needed).
         """
-        if self.prefix_cache is None:
+        first = len(seq.block_table)  # prefill is block-aligned: the blocks it has so far
+        last = (seq.prompt_len - 1) // self.block_size  # the last prompt token's block
+        if self.prefix_cache is None or first >= last:
             return []
-        block_hashes = hashing.hash_prefix_blocks(seq.prompt_ids, self.block_size)
-        max_hit_blocks = (seq.prompt_len - 1) // self.block_size
-        return self.prefix_cache.match(block_hashes[:max_hit_blocks], seq.prompt_ids)
+        block_hashes = hashing.hash_prefix_blocks(
+            seq.prompt_ids[: last * self.block_size], self.block_size
+        )
+        parent_id = seq.block_table[-1] if seq.block_table else None
+        tokens = seq.prompt_ids[first * self.block_size : last * self.block_size]
+        return self.prefix_cache.match(block_hashes[first:last], tokens, parent_id)
 
-    def _cache_block(self, seq: Sequence, block_idx: int) -> None:
-        """Prefill just filled block ``block_idx``: its KV now holds exactly tokens
-        ``0 ... (block_idx+1)*block_size-1``, so it may be named by that prefix's hash."""
-        if self.prefix_cache is None:
+    def _cache_full_block(self, seq: Sequence, num_tokens: int) -> None:
+        """The KV of the sequence's first ``num_tokens`` tokens is in the pool. If that just
+        completed a block, prompt or output, name it by the chain hash of every token up to its
+        end: a later request, or the next turn of this conversation, can then adopt it."""
+        if self.prefix_cache is None or num_tokens % self.block_size:
             return
-        end = (block_idx + 1) * self.block_size
-        block_hash = hashing.hash_prefix_blocks(seq.prompt_ids[:end], self.block_size)[-1]
+        block_idx, token_ids = num_tokens // self.block_size - 1, seq.token_ids
+        block_hash = hashing.hash_prefix_blocks(token_ids[:num_tokens], self.block_size)[-1]
         parent_id = seq.block_table[block_idx - 1] if block_idx else None
         self.prefix_cache.insert(
             block_hash,
             seq.block_table[block_idx],
-            seq.prompt_ids[end - self.block_size : end],
+            token_ids[num_tokens - self.block_size : num_tokens],
             parent_id,
         )
 
     # ---- one round's work -------------------------------------------------------------------
 
-    def _do_prefill_step(self, seq: Sequence) -> None:
-        if not seq.block_table:
+    def _schedule_prefill_chunk(self, seq: Sequence) -> tuple[list[int], int]:
+        """This round's prompt chunk and the position of its first token: adopt what the cache
+        holds next, then make room for one block-sized chunk."""
+        if seq.prefill_offset == 0:
             self._start_sequence(seq)
+        self._adopt_cached_blocks(seq)
         start = seq.prefill_offset
-        end = min(start + self.block_size, seq.prompt_len)
-        logits = self.model(seq.prompt_ids[start:end], seq.block_table, start)
-        seq.prefill_offset = end
-        if end % self.block_size == 0:
-            self._cache_block(seq, end // self.block_size - 1)
+        chunk = seq.prompt_ids[start : start + self.block_size]
+        self._allocate_slots(seq, start + len(chunk))
+        self._counters.computed_prefill_tokens += len(chunk)
+        return chunk, start
+
+    def _schedule_decode_token(self, seq: Sequence) -> tuple[list[int], int]:
+        """The newest token, whose KV is not in the pool yet, and its position."""
+        position = seq.num_tokens - 1
+        self._allocate_slots(seq, position + 1)
+        self._counters.computed_decode_tokens += 1
+        return [seq.last_token_id], position
+
+    def _do_prefill_step(self, seq: Sequence) -> None:
+        chunk, start = self._schedule_prefill_chunk(seq)
+        logits = self.model(chunk, seq.block_table, start)
+        seq.prefill_offset = start + len(chunk)
+        self._cache_full_block(seq, seq.prefill_offset)  # its KV is in the pool now
         if seq.is_prefill_done:
             seq.status = SequenceStatus.RUNNING
             seq.append_token(int(logits[-1].argmax()))
 
     def _do_decode_step(self, seq: Sequence) -> None:
-        position = seq.num_tokens - 1  # the newest token, whose KV is not in the pool yet
-        logits = self.model([seq.last_token_id], seq.block_table, position)
+        chunk, position = self._schedule_decode_token(seq)
+        logits = self.model(chunk, seq.block_table, position)
+        self._cache_full_block(seq, position + 1)  # output blocks are cached too
         seq.append_token(int(logits[-1].argmax()))
 
     def _free_seq(self, seq: Sequence) -> None:
-        """Drop the request's references: hit blocks go back to the cache's sole ownership,
-        blocks it allocated are freed (those the cache adopted stay, with ref_count 1)."""
+        """Drop the request's references: adopted blocks go back to the cache's sole ownership,
+        blocks it allocated are freed (those the cache took stay, with ref_count 1), and the
+        part of its reservation it never used (an early eos) is returned."""
         if self.prefix_cache is not None:
             self.prefix_cache.touch(seq.block_table[::-1])  # tail first: evicted first
-        hits = seq.block_table[: seq.num_cached_blocks]
-        for block_id in hits:
+        for block_id in seq.hit_block_ids:
             self.block_manager._blocks[block_id].ref_count -= 1
-        self.block_manager.free(seq.block_table[seq.num_cached_blocks :])
+        hits = set(seq.hit_block_ids)
+        self.block_manager.free([b for b in seq.block_table if b not in hits])
+        need = self._blocks_needed(seq.prompt_len, seq.max_new_tokens)
+        self._reserved -= need - len(seq.block_table)
         seq.block_table = []
 
     # ---- input validation -------------------------------------------------------------------

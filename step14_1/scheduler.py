@@ -29,7 +29,9 @@ class Sequence:
     eos_token_id: int | None = None
     generated_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
-    num_cached_blocks: int = 0  # leading entries of block_table that were prefix-cache hits
+    # Entries of block_table adopted from the prefix cache (retained, not allocated). Not only
+    # leading ones: a sequence adopts whatever others cached whenever its prefill reaches it.
+    hit_block_ids: list[int] = field(default_factory=list)
     prefill_offset: int = 0  # prompt tokens whose KV is in the pool (cached or computed)
     status: SequenceStatus = SequenceStatus.WAITING
 
@@ -40,6 +42,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.generated_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt and output as one stream: the hash chain runs through both."""
+        return self.prompt_ids + self.generated_ids
 
     @property
     def is_prefill_done(self) -> bool:

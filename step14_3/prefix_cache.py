@@ -44,19 +44,22 @@ class PrefixCache:
         """Cached blocks no request holds (ref_count 1: only the cache's own reference)."""
         return sum(1 for b in self._lru if self.block_manager.ref_count(b) == 1)
 
-    def match(self, block_hashes: list[int], token_ids: list[int]) -> list[int]:
-        """Block ids of the longest cached chain that starts the prompt.
+    def match(
+        self, block_hashes: list[int], token_ids: list[int], parent_id: int | None = None
+    ) -> list[int]:
+        """Block ids of the longest cached chain that continues from ``parent_id``.
 
-        Walks from the first block and stops at the first miss. An entry counts only if its
-        tokens are the prompt's and its parent is the block matched just before: then by
-        induction the whole chain holds exactly the prompt's prefix, so a hash collision can
-        cost a hit but never give wrong KV.
+        ``block_hashes`` and ``token_ids`` describe the blocks that follow ``parent_id`` (the
+        last block the caller already holds; None: the start of the prompt). Walks them in order
+        and stops at the first miss. An entry counts only if its tokens are the caller's and its
+        parent is the block matched just before: then by induction the whole chain holds exactly
+        the caller's prefix, so a hash collision can cost a hit but never give wrong KV.
         """
         hits: list[int] = []
         for i, block_hash in enumerate(block_hashes):
             entry = self._by_hash.get(block_hash)
             tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
-            parent = hits[-1] if hits else None
+            parent = hits[-1] if hits else parent_id
             if entry is None or entry.token_ids != tokens or entry.parent_id != parent:
                 break
             hits.append(entry.block_id)
@@ -65,7 +68,7 @@ class PrefixCache:
     def insert(
         self, block_hash: int, block_id: int, token_ids: list[int], parent_id: int | None
     ) -> bool:
-        """Cache a block that prefill just filled. Returns whether it was cached.
+        """Cache a full block (prompt or output) under its chain hash. Returns whether it was.
 
         The first block stored under a hash wins (a request that computed its own copy keeps it
         private). A block whose parent is not cached is not stored either: nothing could ever

@@ -31,10 +31,13 @@ class Sequence:
     eos_token_id: int | None = None
     generated_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
-    num_cached_blocks: int = 0  # leading entries of block_table that were prefix-cache hits
+    # Entries of block_table adopted from the prefix cache (retained, not allocated). Not only
+    # leading ones: a sequence adopts whatever others cached whenever its prefill reaches it.
+    hit_block_ids: list[int] = field(default_factory=list)
     prefill_offset: int = 0  # prompt tokens whose KV is in the pool (cached or computed)
     status: SequenceStatus = SequenceStatus.WAITING
-    # Chain hashes of the prompt's full blocks, computed so far (vLLM: Request.block_hashes).
+    # Chain hashes of the full blocks, prompt and output, computed so far (vLLM:
+    # Request.block_hashes).
     block_hashes: list[int] = field(default_factory=list)
 
     @property
@@ -46,6 +49,11 @@ class Sequence:
         return len(self.prompt_ids) + len(self.generated_ids)
 
     @property
+    def token_ids(self) -> list[int]:
+        """Prompt and output as one stream: the hash chain runs through both."""
+        return self.prompt_ids + self.generated_ids
+
+    @property
     def is_prefill_done(self) -> bool:
         return self.prefill_offset >= self.prompt_len
 
@@ -54,15 +62,16 @@ class Sequence:
         return self.generated_ids[-1] if self.generated_ids else self.prompt_ids[-1]
 
     def extend_block_hashes(self, num_blocks: int, block_size: int) -> None:
-        """Grow the hash chain to the first ``num_blocks`` full prompt blocks.
+        """Grow the hash chain to the first ``num_blocks`` full blocks.
 
         Each link needs only the one before it, so a block is hashed once, when first needed,
-        and every later use (cache lookup, caching the block after prefill) reads it from here.
+        and every later use (each cache lookup, caching the block once filled) reads it here.
         """
+        token_ids = self.token_ids
         while len(self.block_hashes) < num_blocks:
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if self.block_hashes else hashing.ROOT_HASH
-            tokens = self.prompt_ids[i * block_size : (i + 1) * block_size]
+            tokens = token_ids[i * block_size : (i + 1) * block_size]
             self.block_hashes.append(hashing.hash_block(parent, tokens))
 
     def append_token(self, token_id: int) -> None:

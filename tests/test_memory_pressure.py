@@ -148,16 +148,20 @@ def test_cache_evicts_when_the_pool_is_full(make_engine: EngineFactory, serial: 
 
 
 def test_evictions_are_reported_even_when_the_cache_ends_empty(make_engine: EngineFactory) -> None:
-    """The eviction count is history: emptying the cache must not make it read zero. The first
-    request leaves one cached block; the second needs the whole pool and caches nothing (its
-    prompt fills no block), so it can only run by evicting that block."""
-    first = distinct_prompts(count=1, length=BLOCK_SIZE + 1)
-    second = distinct_prompts(count=2, length=BLOCK_SIZE - 1)[1:]
-    pool = blocks_needed(len(second[0]), MAX_NEW, BLOCK_SIZE)
+    """The eviction count is history: emptying the cache must not make it read zero.
+
+    The first request leaves one cached block A. The second is exactly A's tokens with a long
+    answer: its only prompt block holds the last prompt token, so it is recomputed into a fresh
+    block (A keeps the hash), and its output block cannot be cached behind an uncached parent.
+    It needs the whole pool, so its first output block can only come from evicting A."""
+    (block_a,) = distinct_prompts(count=1, length=BLOCK_SIZE)
+    first, second = [[*block_a, 0]], [block_a]
+    max_new = BLOCK_SIZE + 1  # KV for 2 * BLOCK_SIZE tokens: two blocks, the whole pool
+    pool = blocks_needed(BLOCK_SIZE, max_new, BLOCK_SIZE)
     engine = engine_for(make_engine, pool)
     assert engine.generate(first, 1) == reference_tokens(engine.model.cfg, first, 1)
     assert engine.stats.blocks_cached == 1
-    assert engine.generate(second, MAX_NEW) == reference_tokens(engine.model.cfg, second, MAX_NEW)
+    assert engine.generate(second, max_new) == reference_tokens(engine.model.cfg, second, max_new)
     assert engine.stats.blocks_cached == 0
     assert engine.stats.evictions == 1
     assert_at_rest(engine, 2)

@@ -134,7 +134,7 @@ def test_full_prompt_hit_recomputes_last_block(make_engine) -> None:
     prompt = tokens(6, 3 * BS)
     (cold,) = serve_all(engine, [prompt], max_new_tokens=6)
     shared = cached_block_ids(engine)
-    assert len(shared) == 3
+    assert len(shared) == (len(prompt) + 6 - 1) // BS  # prompt and output blocks alike
     kv_before = [pool[:, shared].clone() for pool in kv_pools(engine)]
     (hot,) = serve_all(engine, [prompt], max_new_tokens=6)
     assert (cold.cached_tokens, hot.cached_tokens) == (0, len(prompt) - BS)
@@ -217,13 +217,21 @@ EVICTION_CFG = tiny_config(total_blocks=8)
 CHAIN_A, CHAIN_B = tokens(11, 2 * BS + 1), tokens(12, 2 * BS + 1)  # 3 blocks, 2 of them cached
 
 
-def fill_pool_without_caching(engine, evict: int) -> None:
-    """A one-block prompt with a long answer: needs ``evict`` blocks beyond the free pool and
-    caches none (decode never caches), so the cache loses exactly ``evict`` blocks."""
+def cached_chain_length(engine, prompt: list[int]) -> int:
+    """How many leading full blocks of ``prompt`` the cache holds, looked up without serving
+    (serving could evict)."""
+    return len(engine.prefix_cache.match(hashing.hash_prefix_blocks(prompt, BS), prompt))
+
+
+def fill_pool(engine, evict: int) -> int:
+    """An unrelated request with a long answer that needs ``evict`` blocks beyond the free
+    pool. The blocks it fills are cached but held by it while it runs, so the cache loses
+    exactly ``evict`` of the blocks it had. Returns how many blocks it left in the cache."""
     prompt = tokens(13, BS - 1)
     need = engine.stats.blocks_free + evict
     max_new_tokens = need * BS - len(prompt) + 1  # blocks for prompt + all but the last token
     serve_all(engine, [prompt], max_new_tokens)
+    return need  # every block it used was full, and each continues its own cached chain
 
 
 @pytest.mark.parametrize(
@@ -241,13 +249,12 @@ def test_eviction_is_lru_and_tail_first(
     engine = make_engine(EVICTION_CFG)
     serve_all(engine, history, max_new_tokens=1)
     assert engine.stats.blocks_cached == 4
-    fill_pool_without_caching(engine, evict=3)
-    assert (engine.stats.evictions, engine.stats.blocks_cached) == (3, 1)
-    head_only = serve(engine, survivor, max_new_tokens=1)
+    filled = fill_pool(engine, evict=3)
+    assert (engine.stats.evictions, engine.stats.blocks_cached) == (3, 1 + filled)
+    assert (cached_chain_length(engine, survivor), cached_chain_length(engine, evicted)) == (1, 0)
+    head_only, gone = serve_all(engine, [survivor, evicted], max_new_tokens=1)
     assert (head_only.hit, head_only.cached_tokens) == (True, BS)
-    gone = serve(engine, evicted, max_new_tokens=1)
     assert (gone.hit, gone.cached_tokens) == (False, 0)
-    assert engine.stats.evictions == 3
     assert_at_rest(engine)
 
 
@@ -255,9 +262,9 @@ def test_no_eviction_while_the_free_pool_lasts(make_engine) -> None:
     """Cached blocks are only taken back when the free pool cannot serve an allocation."""
     engine = make_engine(EVICTION_CFG)
     serve_all(engine, [CHAIN_A, CHAIN_B], max_new_tokens=1)
-    fill_pool_without_caching(engine, evict=0)
-    assert (engine.stats.evictions, engine.stats.blocks_cached) == (0, 4)
-    assert all(s.cached_tokens == 2 * BS for s in serve_all(engine, [CHAIN_A, CHAIN_B], 1))
+    filled = fill_pool(engine, evict=0)
+    assert (engine.stats.evictions, engine.stats.blocks_cached) == (0, 4 + filled)
+    assert cached_chain_length(engine, CHAIN_A) == cached_chain_length(engine, CHAIN_B) == 2
 
 
 # ---- switches and counters ----------------------------------------------------------------------
@@ -291,12 +298,18 @@ def test_block_stats_in_flight_and_at_rest(make_engine) -> None:
 
 
 def test_prefix_shared_within_one_round(make_engine) -> None:
-    """Requests prefilling together cannot hit each other's blocks (none exists yet): each
-    computes its own copy. Whatever the hit rate, cold and hot rounds give the reference."""
+    """Requests prefilling together share a prefix nobody has cached yet: they leapfrog, each
+    adopting the blocks the others computed, so every request but the first hits and the
+    prefix is computed once. A hot round then hits every full prompt block."""
     engine = make_engine(max_running=4)
-    prompts = shared_prefix_prompts(4, 2 * BS + 2, 3, VOCAB, seed=1)
-    for _ in range(2):
-        engine.reset_stats()
-        assert_engine_matches_reference(engine, prompts, 4)
-        assert engine.stats.cached_tokens % BS == 0
+    prefix_blocks, tail = 2, 3
+    prompts = shared_prefix_prompts(4, prefix_blocks * BS, tail, VOCAB, seed=1)
+    assert_engine_matches_reference(engine, prompts, 4)
+    stats = engine.stats
+    assert stats.computed_prefill_tokens == prefix_blocks * BS + len(prompts) * tail
+    assert stats.cached_tokens == (len(prompts) - 1) * prefix_blocks * BS
+    engine.reset_stats()
+    assert_engine_matches_reference(engine, prompts, 4)
+    assert engine.stats.cached_tokens == len(prompts) * prefix_blocks * BS
+    assert engine.stats.requests_hit == len(prompts)
     assert_at_rest(engine)

@@ -10,7 +10,6 @@ import torch
 
 from common import hashing
 from common.steps import STEPS
-from common.workload import shared_prefix_prompts
 from tests.conftest import EngineFactory, reference_tokens, tiny_config
 
 
@@ -30,12 +29,16 @@ def count_hash_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def test_each_full_prompt_block_is_hashed_once_from_step14_5(
+def test_each_full_block_is_hashed_once_from_step14_5(
     step: ModuleType, make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A 24-block prompt (plus 3 tokens) and 2 new tokens: 25 full blocks in all (the first
+    decode token completes block 24). From step14_5 each is hashed once, cold or hot."""
     cfg = tiny_config()
-    num_blocks = 24
-    prompt = [random.Random(5).randrange(cfg.vocab_size) for _ in range(num_blocks * 4 + 3)]
+    bs, num_blocks = cfg.block_size, 24
+    prompt = [random.Random(5).randrange(cfg.vocab_size) for _ in range(num_blocks * bs + 3)]
+    full_blocks = (len(prompt) + 2 - 1) // bs  # every token but the last generated has KV
+    lookup_blocks = (len(prompt) - 1) // bs  # blocks before the last prompt token's block
     calls = count_hash_calls(monkeypatch)
     engine = make_engine(cfg)
     counts = []
@@ -45,9 +48,13 @@ def test_each_full_prompt_block_is_hashed_once_from_step14_5(
         counts.append(calls[0])
     print(f"{step.__name__}: hash_block calls for a {num_blocks}-block prompt, cold/hot: {counts}")
     if is_at_or_after(step, "step14_5"):
-        assert counts == [num_blocks, num_blocks]
-    else:  # the whole prompt on lookup, and the chain from the start for each computed block
-        assert counts[0] == num_blocks + num_blocks * (num_blocks + 1) // 2
+        assert counts == [full_blocks, full_blocks]
+    else:
+        # Cold: each of the 24 chunks that may still hit re-hashes the 24 lookup blocks, and
+        # caching block i re-hashes the chain 0..i. Hot: one lookup hits all 24, then block 24
+        # is cached after the first decode token.
+        rehash_chains = full_blocks * (full_blocks + 1) // 2
+        assert counts == [lookup_blocks * lookup_blocks + rehash_chains, lookup_blocks + full_blocks]
 
 
 def run_history(model: torch.nn.Module, prompts: list[list[int]], tables: list[list[int]]):
@@ -78,20 +85,6 @@ def test_forward_batched_equals_per_sequence_forward(step: ModuleType) -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
     torch.testing.assert_close(batched.kv_pool_k, serial.kv_pool_k, rtol=0, atol=1e-12)
     torch.testing.assert_close(batched.kv_pool_v, serial.kv_pool_v, rtol=0, atol=1e-12)
-
-
-def test_requests_prefilling_together_share_no_blocks_in_step14_7(
-    step: ModuleType, make_engine: EngineFactory
-) -> None:
-    """With one forward per sequence, a sequence started later in the same round already sees
-    blocks cached by the one before it; with one flat batch, every lookup happens before any
-    block is computed, so the first wave misses (vLLM behaves the same way)."""
-    cfg = tiny_config()
-    prompts = shared_prefix_prompts(4, prefix_len=12, tail_len=2, vocab_size=cfg.vocab_size)
-    engine = make_engine(cfg, max_running=4)
-    assert engine.generate(prompts, 3) == reference_tokens(cfg, prompts, 3)
-    hits = engine.stats.requests_hit
-    assert hits == 0 if hasattr(engine.model, "forward_batched") else hits == 3
 
 
 def test_pop_output_hands_each_result_out_once(make_engine: EngineFactory) -> None:
