@@ -1,0 +1,243 @@
+"""Reading a local Hugging Face Llama checkpoint: ``config.json`` and ``*.safetensors``.
+
+``load_checkpoint(path)`` turns the directory into a ``ModelConfig`` and a state dict that
+``CausalLM.load_weights`` checks name by name and shape by shape; ``from_pretrained`` in every
+step is those two calls. Nothing is downloaded: ``path`` is a directory on disk, laid out the
+way ``save_pretrained`` (or a model hub download) leaves it.
+
+Only what the engine computes is accepted. A checkpoint that asks for anything else (biases,
+a sliding window, another RoPE scaling, another architecture) is refused with an error naming
+the field: a model that loads but silently computes something different would be worse.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import Llama3RopeScaling, ModelConfig
+from .weights import CheckpointError
+
+CONFIG_FILE = "config.json"
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+# config.json key -> ModelConfig field, for the fields that map one to one.
+REQUIRED_FIELDS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "d_model",
+    "num_attention_heads": "num_heads",
+    "num_hidden_layers": "num_layers",
+    "intermediate_size": "d_ff",
+}
+
+
+def require_safetensors() -> Any:
+    """The ``safetensors.torch`` module, or an ImportError that says how to install it."""
+    try:
+        import safetensors.torch
+    except ImportError as exc:
+        raise ImportError(
+            "loading a checkpoint needs the 'safetensors' package: pip install -e '.[real]'"
+        ) from exc
+    return safetensors.torch
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def checkpoint_dir(path: str | Path) -> Path:
+    """``path`` as a checkpoint directory, or a CheckpointError saying what is missing."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(
+            f"{folder} is not a directory; from_pretrained reads a local checkpoint "
+            "directory (config.json + *.safetensors) and downloads nothing"
+        )
+    if not (folder / CONFIG_FILE).is_file():
+        raise CheckpointError(f"{folder} has no {CONFIG_FILE}")
+    return folder
+
+
+# ---- config.json ----------------------------------------------------------------------------
+
+
+def _refuse_unsupported(hf: Mapping[str, Any]) -> None:
+    """Every field whose value asks for math this engine does not do, refused by name."""
+    model_type = hf.get("model_type", "llama")
+    if model_type != "llama":
+        raise CheckpointError(
+            f"model_type={model_type!r}: only Llama-family ('llama') is supported"
+        )
+    architectures = hf.get("architectures") or ["LlamaForCausalLM"]
+    if list(architectures) != ["LlamaForCausalLM"]:
+        raise CheckpointError(f"architectures={architectures}: only LlamaForCausalLM is supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"hidden_act={hf['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise CheckpointError(f"{flag}=true: the engine's projections have no biases")
+    if hf.get("sliding_window") is not None or hf.get("use_sliding_window"):
+        raise CheckpointError(
+            f"sliding_window={hf.get('sliding_window')}: the engine attends over the whole "
+            "context; sliding-window attention is not supported"
+        )
+    if hf.get("quantization_config"):
+        raise CheckpointError("quantization_config: quantized checkpoints are not supported")
+
+
+def _rope_fields(hf: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+    """θ and the scaling, from either layout found on disk.
+
+    Older checkpoints: top-level ``rope_theta`` plus ``rope_scaling`` (null, or a dict with
+    ``rope_type`` or the even older ``type``). Current transformers writes one
+    ``rope_parameters`` dict that holds ``rope_theta`` and the scaling fields together.
+    """
+    params = hf.get("rope_parameters")
+    if params is not None:
+        if any(isinstance(v, Mapping) for v in params.values()):
+            raise CheckpointError("rope_parameters per layer type: not supported")
+        theta, scaling, where = (
+            params.get("rope_theta", hf.get("rope_theta")),
+            params,
+            "rope_parameters",
+        )
+    else:
+        theta, scaling, where = hf.get("rope_theta"), hf.get("rope_scaling"), "rope_scaling"
+    theta = 10000.0 if theta is None else float(theta)
+    scaling = scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    partial = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise CheckpointError(f"partial_rotary_factor={partial}: only full rotary is supported")
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise CheckpointError(
+            f"{where} rope_type={rope_type!r}: only 'default' and 'llama3' RoPE are supported"
+        )
+    try:
+        return theta, Llama3RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        )
+    except KeyError as exc:
+        raise CheckpointError(f"{where}: llama3 scaling without {exc.args[0]!r}") from None
+
+
+def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
+    """A ``ModelConfig`` from a ``config.json`` dict, plus ``overrides`` (``block_size``,
+    ``total_blocks``, ``dtype``, ``device``, ...). ``seed`` is None: the weights come from the
+    checkpoint. The default dtype is float32, whatever the checkpoint stores (``dtype`` /
+    ``torch_dtype`` say how the files are stored, not how to compute)."""
+    _refuse_unsupported(hf)
+    missing = [key for key in REQUIRED_FIELDS if hf.get(key) is None]
+    if missing:
+        raise CheckpointError(f"{CONFIG_FILE} lacks {', '.join(missing)}")
+    fields: dict[str, Any] = {ours: int(hf[theirs]) for theirs, ours in REQUIRED_FIELDS.items()}
+    fields["num_kv_heads"] = hf.get("num_key_value_heads")  # absent or null: num_heads
+    fields["head_dim"] = hf.get("head_dim")  # absent or null: hidden_size // heads
+    fields["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", False))
+    fields["rope_theta"], fields["rope_scaling"] = _rope_fields(hf)
+    fields["rms_norm_eps"] = float(hf.get("rms_norm_eps", 1e-6))
+    fields["seed"] = None
+    fields.update(overrides)
+    try:
+        return ModelConfig(**fields)
+    except ValueError as exc:
+        raise CheckpointError(f"{CONFIG_FILE}: {exc}") from exc
+
+
+def checkpoint_config(path: str | Path, **overrides: Any) -> ModelConfig:
+    """The ``ModelConfig`` of a checkpoint directory, without reading any weights."""
+    return config_from_hf(read_json(checkpoint_dir(path) / CONFIG_FILE), **overrides)
+
+
+def eos_token_ids(path: str | Path) -> list[int]:
+    """The ids that end a generation: ``generation_config.json``'s ``eos_token_id`` if there is
+    one, else ``config.json``'s (either may be one id or a list; Llama 3 chat models list
+    several, ``<|eot_id|>`` among them)."""
+    folder = checkpoint_dir(path)
+    for name in (GENERATION_CONFIG_FILE, CONFIG_FILE):
+        if (folder / name).is_file():
+            eos = read_json(folder / name).get("eos_token_id")
+            if eos is not None:
+                return [int(i) for i in eos] if isinstance(eos, list) else [int(eos)]
+    return []
+
+
+# ---- *.safetensors --------------------------------------------------------------------------
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The weight files: the shards named by ``model.safetensors.index.json``, else
+    ``model.safetensors``, else every ``*.safetensors`` in the directory."""
+    index = folder / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map", {})
+        shards = [folder / name for name in sorted(set(weight_map.values()))]
+        absent = [p.name for p in shards if not p.is_file()]
+        if absent:
+            raise CheckpointError(f"{SAFETENSORS_INDEX} names missing shards: {absent}")
+        return shards
+    if (folder / SAFETENSORS_FILE).is_file():
+        return [folder / SAFETENSORS_FILE]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"{folder} has no *.safetensors (pytorch_model.bin checkpoints are not read: "
+            "they are pickles; convert them with save_pretrained(..., safe_serialization=True))"
+        )
+    return files
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every weight file, as stored (dtype unchanged; cast at load)."""
+    load_file = require_safetensors().load_file
+    weights: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(folder):
+        for name, tensor in load_file(str(file)).items():
+            if name in weights:
+                raise CheckpointError(f"tensor {name} is stored twice ({file.name} and another)")
+            weights[name] = tensor
+    return weights
+
+
+def _drop_redundant(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """Remove tensors that some checkpoints store but that carry no information.
+
+    ``rotary_emb.inv_freq`` is derived from θ (older conversions saved it as a buffer). A tied
+    checkpoint may still store ``lm_head.weight``; that is accepted only when it is the
+    embedding matrix itself, since the tied model would ignore anything else.
+    """
+    for name in [n for n in weights if n.endswith("rotary_emb.inv_freq")]:
+        del weights[name]
+    if cfg.tie_word_embeddings and "lm_head.weight" in weights:
+        embedding = weights.get("model.embed_tokens.weight")
+        if embedding is None or not torch.equal(weights["lm_head.weight"], embedding):
+            raise CheckpointError(
+                "tie_word_embeddings=true but lm_head.weight differs from "
+                "model.embed_tokens.weight: the checkpoint is not tied"
+            )
+        del weights["lm_head.weight"]
+
+
+def load_checkpoint(
+    path: str | Path, **overrides: Any
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """``(cfg, weights)`` from a local checkpoint directory; the weights' names and shapes are
+    checked against ``cfg`` by ``CausalLM.load_weights``."""
+    folder = checkpoint_dir(path)
+    cfg = checkpoint_config(folder, **overrides)
+    weights = read_safetensors(folder)
+    _drop_redundant(weights, cfg)
+    return cfg, weights

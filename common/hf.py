@@ -1,0 +1,71 @@
+"""The same model as a Hugging Face ``LlamaForCausalLM``: the outside oracle.
+
+Our parameter names are HF's, so the very same state dict loads into ``LlamaForCausalLM``.
+The tests compare every step with it (``tests/test_hf_oracle.py``): a convention that the
+project's own dense reference shares with the steps (the RoPE layout, the K/V head a query
+head reads) cannot hide from a model written by someone else. ``bench/hf.py`` times it.
+
+Needs ``transformers`` (``pip install -e '.[hf]'``), imported only when called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .config import ModelConfig
+from .weights import make_state_dict
+
+
+def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """``cfg`` as the keyword arguments of ``LlamaConfig`` (the fields of a ``config.json``).
+
+    RoPE goes in the current ``rope_parameters`` layout (θ and the scaling in one dict).
+    """
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        rope.update(
+            rope_type="llama3",
+            factor=s.factor,
+            low_freq_factor=s.low_freq_factor,
+            high_freq_factor=s.high_freq_factor,
+            original_max_position_embeddings=s.original_max_position_embeddings,
+        )
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.d_head,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": rope,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": 0,
+    }
+
+
+def hf_llama(
+    cfg: ModelConfig, weights: Mapping[str, torch.Tensor] | None = None, attn: str = "eager"
+) -> Any:
+    """A ``LlamaForCausalLM`` holding ``weights`` (default: ours from ``cfg.seed``), in
+    ``cfg.dtype`` on ``cfg.device``, in eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_cfg = LlamaConfig(**hf_config_dict(cfg))
+    hf_cfg._attn_implementation = attn
+    model = LlamaForCausalLM(hf_cfg)
+    state = dict(make_state_dict(cfg) if weights is None else weights)
+    if cfg.tie_word_embeddings:  # HF ties lm_head to the embedding itself
+        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    model.load_state_dict(state)
+    return model.to(device=cfg.device, dtype=cfg.dtype).eval()

@@ -1,0 +1,240 @@
+"""Text in, text out: a real checkpoint's tokenizer around any step's engine.
+
+``generate_text(step, model_dir, prompts, system=...)`` tokenizes with the checkpoint's
+``tokenizer.json``, serves the requests through the step's ``PagedPrefixCacheEngine``, stops
+each at the checkpoint's eos and decodes. ``run.py --model DIR`` (every step) and
+``python -m bench --model DIR`` use it; ``add_model_args`` adds their flags.
+
+The prompts are plain completions: no chat template is applied (that would need a template
+engine; write the model's chat markup into ``--system`` / ``--prompt`` if it wants one). The
+shared system prompt is tokenized once and put in front of every request, so all requests
+share its token ids exactly, and the prefix cache can serve its full blocks.
+
+Needs ``tokenizers`` and ``safetensors`` (``pip install -e '.[real]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from .checkpoint import checkpoint_dir, eos_token_ids
+from .config import ModelConfig, parse_dtype
+from .steps import load_step
+from .weights import CheckpointError
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    """The checkpoint's ``tokenizer.json`` as a ``tokenizers.Tokenizer``."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as exc:
+        raise ImportError(
+            "text in/out needs the 'tokenizers' package: pip install -e '.[real]'"
+        ) from exc
+    path = checkpoint_dir(model_dir) / TOKENIZER_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path.parent} has no {TOKENIZER_FILE} (the fast-tokenizer file)")
+    return Tokenizer.from_file(str(path))
+
+
+def encode_prompts(
+    tokenizer: Any, prompts: list[str], system: str | None = None
+) -> list[list[int]]:
+    """Token ids per request: ``[bos] system`` then the prompt, or ``[bos] prompt``.
+
+    The system prompt is encoded once, with the tokenizer's special tokens (BOS), and each
+    prompt without them: encoding ``system + prompt`` as one string could merge tokens across
+    the seam differently per request, and the requests would no longer share a token prefix.
+    """
+    if not prompts:
+        raise ValueError("give at least one prompt")
+    if system is None:
+        return [tokenizer.encode(p).ids for p in prompts]
+    prefix = tokenizer.encode(system).ids
+    return [prefix + tokenizer.encode(p, add_special_tokens=False).ids for p in prompts]
+
+
+def truncate_at_eos(ids: list[int], eos: list[int]) -> list[int]:
+    """``ids`` up to, not including, the first eos id (the engine stops at one id only)."""
+    for i, token in enumerate(ids):
+        if token in eos:
+            return ids[:i]
+    return ids
+
+
+def serve_staggered(
+    engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None
+) -> list[list[int]]:
+    """Serve ``prompts`` as a server would see them arrive: the first alone, the others as soon
+    as its prompt is in the pool.
+
+    Chunked prefill advances one block per round, so after ``ceil(len / block_size)`` rounds the
+    first prompt's full blocks are cached, and every later request can adopt the shared system
+    prompt instead of computing it. (Requests that start in the same round cannot: none of the
+    shared blocks exists yet.) The requests then run batched, as usual.
+    """
+    first = engine.add_request(prompts[0], max_new_tokens, eos_token_id)
+    block_size = engine.model.cfg.block_size
+    for _ in range(-(-len(prompts[0]) // block_size)):
+        if engine.has_work:
+            engine.step()
+    ids = [first] + [engine.add_request(p, max_new_tokens, eos_token_id) for p in prompts[1:]]
+    while engine.has_work:
+        engine.step()
+    return [engine.pop_output(i) for i in ids]
+
+
+@dataclass
+class TextResult:
+    """What ``generate_text`` returns: the texts, their token ids and the engine's figures."""
+
+    prompts: list[str]
+    outputs: list[str]
+    prompt_ids: list[list[int]]
+    output_ids: list[list[int]]  # without the eos token
+    stats: Any  # the engine's EngineStats after serving
+    seconds: float
+    cfg: ModelConfig
+    eos_token_ids: list[int] = field(default_factory=list)
+    system_tokens: int = 0  # the shared prefix's length in tokens (BOS included)
+
+
+def generate_text(
+    step: ModuleType | str,
+    model_dir: str | Path,
+    prompts: list[str],
+    system: str | None = None,
+    max_new_tokens: int = 32,
+    max_running: int = 8,
+    model: torch.nn.Module | None = None,
+    **overrides: Any,
+) -> TextResult:
+    """Load ``model_dir`` into ``step``'s model (or use ``model``), serve ``prompts`` (behind
+    the shared ``system`` prompt) through the step's engine, and decode.
+
+    ``overrides`` go to ``from_pretrained`` (``block_size``, ``total_blocks``, ``dtype``,
+    ``device``). Each request ends at the first of the checkpoint's eos ids or after
+    ``max_new_tokens``.
+    """
+    step = load_step(step) if isinstance(step, str) else step
+    tokenizer = load_tokenizer(model_dir)
+    if model is None:
+        model = step.TinyTransformerPaged.from_pretrained(model_dir, **overrides)
+    eos = eos_token_ids(model_dir)
+    prompt_ids = encode_prompts(tokenizer, prompts, system)
+    engine = step.PagedPrefixCacheEngine(model, max_running=max_running)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        raw = serve_staggered(engine, prompt_ids, max_new_tokens, eos[0] if eos else None)
+    seconds = time.perf_counter() - start
+    output_ids = [truncate_at_eos(ids, eos) for ids in raw]
+    outputs = [tokenizer.decode(ids, skip_special_tokens=True) for ids in output_ids]
+    system_tokens = len(tokenizer.encode(system).ids) if system is not None else 0
+    return TextResult(
+        prompts,
+        outputs,
+        prompt_ids,
+        output_ids,
+        engine.stats,
+        seconds,
+        model.cfg,
+        eos,
+        system_tokens,
+    )
+
+
+# ---- the command line -----------------------------------------------------------------------
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """``--model DIR``, ``--system TEXT`` and ``--prompt TEXT`` (repeatable)."""
+    parser.add_argument(
+        "--model",
+        metavar="DIR",
+        help="a local Hugging Face Llama checkpoint directory (config.json, *.safetensors, "
+        "tokenizer.json): serve real text instead of the demo",
+    )
+    parser.add_argument(
+        "--system", metavar="TEXT", help="a system prompt shared by every --prompt (with --model)"
+    )
+    parser.add_argument(
+        "--prompt",
+        metavar="TEXT",
+        action="append",
+        help="a prompt to complete (with --model); repeat it for several requests",
+    )
+
+
+def kv_bytes_per_block(cfg: ModelConfig) -> int:
+    """K and V of one block, all layers: what grouped-query attention shrinks."""
+    itemsize = torch.empty((), dtype=cfg.dtype).element_size()
+    return 2 * cfg.num_layers * cfg.block_size * cfg.num_kv_heads * cfg.d_head * itemsize
+
+
+def describe(cfg: ModelConfig) -> str:
+    """One line about the loaded model and its KV pool."""
+    heads = f"{cfg.num_heads} heads"
+    if cfg.num_kv_heads != cfg.num_heads:
+        heads += f" / {cfg.num_kv_heads} KV heads"
+    block_kib = kv_bytes_per_block(cfg) / 1024
+    dtype = str(cfg.dtype).removeprefix("torch.")
+    return (
+        f"{cfg.num_layers} layers, d_model {cfg.d_model}, {heads}, vocab {cfg.vocab_size}, "
+        f"{dtype} on {cfg.device}; KV pool {cfg.total_blocks} blocks x {cfg.block_size} tokens, "
+        f"{block_kib:.0f} KiB per block"
+    )
+
+
+def print_result(result: TextResult, system: str | None) -> None:
+    s = result.stats
+    if system is not None:
+        print(f"system prompt: {system!r} ({result.system_tokens} tokens, shared by every request)")
+    for i, (prompt, output, ids) in enumerate(
+        zip(result.prompts, result.outputs, result.output_ids)
+    ):
+        print(f"\n[{i + 1}] {prompt}")
+        print(f"  -> {output}  ({len(ids)} tokens)")
+    new_tokens = sum(len(ids) for ids in result.output_ids)
+    print(
+        f"\nprefix cache: {s.requests_hit}/{s.requests} requests hit, "
+        f"{s.cached_tokens}/{s.prompt_tokens} prompt tokens ({s.token_hit_rate:.0%}) from the "
+        f"cache; {new_tokens} new tokens in {result.seconds:.2f} s"
+    )
+
+
+def run_text(step: ModuleType | str, args: argparse.Namespace) -> int:
+    """What ``run.py --model DIR`` does: load, serve ``--prompt``s behind ``--system``, print.
+
+    Reads ``args.model``, ``args.prompt``, ``args.system`` and, when the parser has them,
+    ``device``, ``dtype``, ``block_size``, ``total_blocks``, ``max_new_tokens``, ``max_running``.
+    """
+    prompts = args.prompt or ["The capital of France is"]
+    overrides: dict[str, Any] = {}
+    for name in ("device", "block_size", "total_blocks"):
+        if getattr(args, name, None) is not None:
+            overrides[name] = getattr(args, name)
+    if getattr(args, "dtype", None) is not None:
+        overrides["dtype"] = parse_dtype(args.dtype)
+    step = load_step(step) if isinstance(step, str) else step
+    model = step.TinyTransformerPaged.from_pretrained(args.model, **overrides)
+    print(f"{step.__name__}: {args.model}\n  {describe(model.cfg)}")
+    result = generate_text(
+        step,
+        args.model,
+        prompts,
+        system=args.system,
+        max_new_tokens=getattr(args, "max_new_tokens", None) or 32,
+        max_running=getattr(args, "max_running", None) or 8,
+        model=model,
+    )
+    print_result(result, args.system)
+    return 0
