@@ -4,19 +4,23 @@ Each seed draws a whole scenario — prompts with shared prefixes, block size, a
 enough to roomy, max_running, max_new_tokens, cache on or off, batched or serial, sometimes a
 second (hot) round on the same engine — so that combinations nobody thought to write by hand
 (one-token prompts, full-prompt hits, evictions mid-run, exact block multiples) are covered.
-The reference for a seed is computed once and shared by every step.
+The reference for a seed is computed once and shared by every step, and so are step14's
+``EngineStats``: every later step must report exactly the same figures (batching changes speed,
+never sharing).
 """
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cache
+from types import ModuleType
 
 import pytest
 
 from common.config import ModelConfig
+from common.steps import load_step
 from common.workload import random_shared_prefix_prompts
 from tests.conftest import (
     STEP_NAMES,
@@ -88,12 +92,34 @@ def run_round(engine, case: Scenario) -> list[list[int]]:
     return run(case.prompt_lists, case.max_new_tokens)
 
 
-def assert_stats_consistent(engine, case: Scenario, rounds: int) -> None:
+def new_engine(step: ModuleType, case: Scenario):
+    return step.PagedPrefixCacheEngine(
+        step.TinyTransformerPaged(case.cfg),
+        max_running=case.max_running,
+        enable_prefix_cache=case.enable_prefix_cache,
+    )
+
+
+@cache
+def step14_stats(seed: int) -> tuple[dict, ...]:
+    """step14's stats after each round of a seed's scenario: what every step must report."""
+    case = scenario(seed)
+    engine = new_engine(load_step("step14"), case)
+    rounds = []
+    for _ in range(2 if case.hot_round else 1):
+        run_round(engine, case)
+        rounds.append(asdict(engine.stats))
+    return tuple(rounds)
+
+
+def assert_stats_consistent(engine, case: Scenario, rounds: int, outputs: list[list[int]]) -> None:
     """Counters add up, the engine is at rest, and a disabled cache never claims a hit."""
     stats, prompts = engine.stats, case.prompt_lists
     assert stats.requests == rounds * len(prompts)
     assert stats.prompt_tokens == rounds * sum(len(p) for p in prompts)
     assert 0 <= stats.cached_tokens < stats.prompt_tokens  # the last token is always computed
+    assert stats.cached_tokens + stats.computed_prefill_tokens == stats.prompt_tokens
+    assert stats.computed_decode_tokens == rounds * sum(len(o) - 1 for o in outputs)
     assert stats.requests_hit <= stats.requests
     assert stats.blocks_used == 0
     assert stats.blocks_free + stats.blocks_cached == case.total_blocks
@@ -111,11 +137,14 @@ def test_random_scenario_matches_reference(make_engine: EngineFactory, seed: int
     )
     expected = [list(o) for o in expected_tokens(seed)]
     assert run_round(engine, case) == expected
+    stats = [asdict(engine.stats)]
     if case.hot_round:
         hits_before = engine.stats.requests_hit
         assert run_round(engine, case) == expected
+        stats.append(asdict(engine.stats))
         assert_hot_round_hits(engine, case, engine.stats.requests_hit - hits_before)
-    assert_stats_consistent(engine, case, 2 if case.hot_round else 1)
+    assert_stats_consistent(engine, case, len(stats), expected)
+    assert tuple(stats) == step14_stats(seed)
 
 
 def assert_hot_round_hits(engine, case: Scenario, hot_hits: int) -> None:

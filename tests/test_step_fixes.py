@@ -54,7 +54,10 @@ def test_each_full_block_is_hashed_once_from_step14_5(
         # caching block i re-hashes the chain 0..i. Hot: one lookup hits all 24, then block 24
         # is cached after the first decode token.
         rehash_chains = full_blocks * (full_blocks + 1) // 2
-        assert counts == [lookup_blocks * lookup_blocks + rehash_chains, lookup_blocks + full_blocks]
+        assert counts == [
+            lookup_blocks * lookup_blocks + rehash_chains,
+            lookup_blocks + full_blocks,
+        ]
 
 
 def run_history(model: torch.nn.Module, prompts: list[list[int]], tables: list[list[int]]):

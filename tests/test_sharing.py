@@ -1,0 +1,208 @@
+"""Every shared block is computed once, in every step, batched or not.
+
+A sequence adopts cached blocks whenever its prefill reaches them, so requests that start
+together leapfrog through a common prefix; full output blocks are cached too, so a follow-up turn
+reuses the whole conversation. Batching may change speed, never sharing: every step reports the
+same ``EngineStats`` on the same requests, and the tokens are always the dense reference's.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict
+from functools import cache
+from types import ModuleType
+
+import pytest
+
+from common.steps import load_step
+from common.workload import demo_prompts, shared_prefix_prompts
+from tests.conftest import EngineFactory, reference_tokens, tiny_config
+
+CFG = tiny_config()
+BS = CFG.block_size
+
+
+def count_model_tokens(model) -> list[int]:
+    """Wrap the model's entry points on this instance; the list's one item counts every token
+    that goes through a forward pass (the engine's own counters are not trusted here)."""
+    counted = [0]
+
+    def wrap(name: str) -> None:
+        real = getattr(model, name)
+
+        def counting(chunks, *args, **kwargs):
+            flat = chunks if name == "forward" else [t for chunk in chunks for t in chunk]
+            counted[0] += len(flat)
+            return real(chunks, *args, **kwargs)
+
+        setattr(model, name, counting)
+
+    wrap("forward")
+    if hasattr(model, "forward_batched"):
+        wrap("forward_batched")
+    return counted
+
+
+def check_counters(stats, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+    """What the counters must say, from the requests alone: every prompt token is adopted or
+    computed, and every generated token but the last is fed back once."""
+    assert stats.requests == len(prompts)
+    assert stats.prompt_tokens == sum(len(p) for p in prompts)
+    assert stats.cached_tokens + stats.computed_prefill_tokens == stats.prompt_tokens
+    assert stats.computed_decode_tokens == sum(len(o) - 1 for o in outputs)
+    assert stats.computed_tokens == stats.computed_prefill_tokens + stats.computed_decode_tokens
+
+
+# ---- leapfrogging: a prefix nobody has cached, shared by requests that start together -----
+
+
+@pytest.mark.parametrize("num_requests", [2, 3, 8])
+@pytest.mark.parametrize("tail", [1, BS])
+def test_requests_admitted_together_compute_each_shared_block_once(
+    make_engine: EngineFactory, num_requests: int, tail: int
+) -> None:
+    """N requests behind a 5-block prefix, all admitted in the first round: the model sees the
+    prefix once plus every request's own tail, and every request hits (even the first, which
+    adopts the blocks the others computed while it computed block 0)."""
+    prefix_blocks, max_new = 5, 3
+    prompts = shared_prefix_prompts(num_requests, prefix_blocks * BS, tail, CFG.vocab_size, seed=3)
+    engine = make_engine(CFG, max_running=num_requests)
+    counted = count_model_tokens(engine.model)
+    outputs = engine.generate(prompts, max_new)
+    assert outputs == reference_tokens(CFG, prompts, max_new)
+    prefill = prefix_blocks * BS + num_requests * tail
+    assert counted[0] == prefill + num_requests * (max_new - 1)
+    stats = engine.stats
+    check_counters(stats, prompts, outputs)
+    assert stats.computed_prefill_tokens == prefill
+    assert stats.cached_tokens == (num_requests - 1) * prefix_blocks * BS
+    assert stats.requests_hit == num_requests  # each adopts blocks the others computed
+
+
+def test_leapfrogging_finishes_the_shared_prefill_in_fewer_rounds(
+    make_engine: EngineFactory,
+) -> None:
+    """Two requests behind an 8-block prefix: alone, one needs 9 prefill rounds; together they
+    split the prefix and both produce their first token after 5 rounds (4 blocks each + tail)."""
+    prompts = shared_prefix_prompts(2, 8 * BS, 1, CFG.vocab_size, seed=4)
+    engine = make_engine(CFG, max_running=2)
+    ids = [engine.add_request(p, 2) for p in prompts]
+    engine.step()
+    rounds = 1
+    while not all(s.generated_ids for s in engine.scheduler.running):
+        engine.step()
+        rounds += 1
+    assert rounds == 5
+    while engine.has_work:
+        engine.step()
+    assert [engine.pop_output(i) for i in ids] == reference_tokens(CFG, prompts, 2)
+
+
+# ---- output blocks are cached: a conversation's next turn -----------------------------------
+
+
+def random_tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(CFG.vocab_size) for _ in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("first_len", "max_new"),
+    [(10, 9), (3 * BS, BS + 1), (2 * BS + 1, 2 * BS - 1), (1, 3)],
+    ids=["mid-block", "prompt-aligned", "history-aligned", "one-token"],
+)
+def test_second_turn_reuses_prompt_and_output(
+    make_engine: EngineFactory, first_len: int, max_new: int
+) -> None:
+    """Turn two's prompt is turn one's prompt + output + a new message: every full block of
+    the history (all of it but the last generated token, which was never fed back) is a hit."""
+    first, message = random_tokens(first_len, first_len), random_tokens(-1, 5)
+    engine = make_engine(CFG)
+    (answer,) = engine.generate([first], max_new)
+    history = first + answer + message
+    engine.reset_stats()
+    (second,) = engine.generate([history], max_new)
+    assert second == reference_tokens(CFG, [history], max_new)[0]
+    full_history_blocks = (len(first) + len(answer) - 1) // BS
+    assert engine.stats.cached_tokens == full_history_blocks * BS
+    assert engine.stats.requests_hit == (full_history_blocks > 0)
+
+
+def test_output_block_is_not_cached_before_it_is_full(make_engine: EngineFactory) -> None:
+    """Only full blocks are named: a block still waiting for slots is never in the cache."""
+    engine = make_engine(CFG)
+    engine.generate([[1] * (BS - 1)], 1)  # KV for BS-1 tokens: no block is full
+    assert engine.stats.blocks_cached == 0
+    engine.generate([[2] * (BS - 1)], 2)  # the first output token completes block 0
+    assert engine.stats.blocks_cached == 1
+
+
+# ---- the same stats in every step -----------------------------------------------------------
+
+
+def multi_turn(engine, max_new: int = 5) -> list[list[int]]:
+    """Three conversations, two turns each, all turns of a round batched together."""
+    firsts = shared_prefix_prompts(3, 2 * BS, 3, CFG.vocab_size, seed=9)
+    answers = engine.generate(firsts, max_new)
+    seconds = [f + a + [7, 8, 9] for f, a in zip(firsts, answers)]
+    return answers + engine.generate(seconds, max_new)
+
+
+def tight_pool(engine) -> list[list[int]]:
+    prompts = shared_prefix_prompts(6, 3 * BS, 5, CFG.vocab_size, seed=10)
+    prompts += shared_prefix_prompts(4, 2 * BS, 2, CFG.vocab_size, seed=11)
+    return engine.generate(prompts, 4)
+
+
+def showcase(engine) -> list[list[int]]:
+    """The showcase's shape at a test's size: 16 requests, an 8-block prefix, 8 running."""
+    return engine.generate(shared_prefix_prompts(16, 8 * BS, BS, CFG.vocab_size, seed=12), 4)
+
+
+def demo(engine) -> list[list[int]]:
+    prompts = demo_prompts(CFG.vocab_size, block_size=BS)
+    return engine.generate_serial(prompts, 4) + engine.generate_serial(prompts, 4)
+
+
+def demo_batched(engine) -> list[list[int]]:
+    return engine.generate(demo_prompts(CFG.vocab_size, block_size=BS), 4)
+
+
+WORKLOADS = {
+    "demo": (demo, {}),
+    "demo-batched": (demo_batched, {}),
+    "showcase": (showcase, {"max_running": 8}),
+    "multi-turn": (multi_turn, {}),
+    "tight-pool": (tight_pool, {"cfg": tiny_config(total_blocks=12), "max_running": 3}),
+}
+
+
+def run_workload(step: ModuleType, name: str) -> tuple[list[list[int]], dict]:
+    run, options = WORKLOADS[name]
+    model = step.TinyTransformerPaged(options.get("cfg", CFG))
+    engine = step.PagedPrefixCacheEngine(model, max_running=options.get("max_running", 4))
+    outputs = run(engine)
+    assert engine.ref_count_problems() == []
+    return outputs, asdict(engine.stats)
+
+
+@cache
+def baseline(name: str) -> tuple[list[list[int]], dict]:
+    """step14's tokens and stats: the figures every later step must reproduce exactly."""
+    return run_workload(load_step("step14"), name)
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_every_step_reports_the_same_stats(step: ModuleType, name: str) -> None:
+    outputs, stats = run_workload(step, name)
+    assert (outputs, stats) == baseline(name)
+    assert stats["computed_decode_tokens"] > 0
+
+
+def test_showcase_reuses_every_shared_block(step: ModuleType) -> None:
+    """The showcase's shape reuses the maximum: 15 of 16 requests' prefix tokens."""
+    _, stats = run_workload(step, "showcase")
+    assert stats["cached_tokens"] == 15 * 8 * BS
+    assert stats["computed_prefill_tokens"] == 8 * BS + 16 * BS
+    assert stats["requests_hit"] == 16
