@@ -21,6 +21,11 @@ from .config import ModelConfig
 
 LOGIT_SCALE = 8.0  # std of the logits for a unit-RMS final hidden state
 QK_GAIN = 1.5  # >1 sharpens attention scores
+# With tied embeddings the logits are <hidden, embedding>, and a residual stream still close to
+# the input token's own embedding scores that token highest: greedy decoding would repeat the
+# last token forever. Louder attention/MLP outputs (o_proj, down_proj) drown it out, as the
+# residual stream of a trained model does.
+TIED_RESIDUAL_GAIN = 6.0
 
 
 def _layer_shapes(cfg: ModelConfig, i: int) -> list[tuple[str, tuple[int, ...], float]]:
@@ -29,16 +34,17 @@ def _layer_shapes(cfg: ModelConfig, i: int) -> list[tuple[str, tuple[int, ...], 
     kv_width = cfg.num_kv_heads * cfg.d_head  # grouped-query attention: fewer K/V heads
     p = f"model.layers.{i}."
     proj = 1.0 / math.sqrt(d)
+    out_gain = TIED_RESIDUAL_GAIN if cfg.tie_word_embeddings else 1.0
     return [
         (p + "input_layernorm.weight", (d,), 0.0),
         (p + "self_attn.q_proj.weight", (q_width, d), QK_GAIN * proj),
         (p + "self_attn.k_proj.weight", (kv_width, d), QK_GAIN * proj),
         (p + "self_attn.v_proj.weight", (kv_width, d), proj),
-        (p + "self_attn.o_proj.weight", (d, q_width), 1.0 / math.sqrt(q_width)),
+        (p + "self_attn.o_proj.weight", (d, q_width), out_gain / math.sqrt(q_width)),
         (p + "post_attention_layernorm.weight", (d,), 0.0),
         (p + "mlp.gate_proj.weight", (f, d), proj),
         (p + "mlp.up_proj.weight", (f, d), proj),
-        (p + "mlp.down_proj.weight", (d, f), 1.0 / math.sqrt(f)),
+        (p + "mlp.down_proj.weight", (d, f), out_gain / math.sqrt(f)),
     ]
 
 

@@ -1,0 +1,408 @@
+"""Real checkpoints: ``from_pretrained`` on a directory written by HF's ``save_pretrained``,
+text in and text out through every step, and the loader's refusals.
+
+The checkpoint is a tiny ``LlamaForCausalLM`` with everything current Llama checkpoints use
+(grouped-query attention, tied embeddings, ``llama3`` RoPE scaling) and a word-level
+``tokenizer.json`` built here; HF's own ``generate`` on it is the oracle for the text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+pytest.importorskip("tokenizers")
+
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+from common.checkpoint import config_from_hf, eos_token_ids, load_checkpoint
+from common.config import Llama3RopeScaling, preset
+from common.hf import hf_llama
+from common.text import add_model_args, encode_prompts, generate_text, load_tokenizer, run_text
+from common.weights import CheckpointError
+
+WORDS = [
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "bird",
+    "sat",
+    "ran",
+    "flew",
+    "on",
+    "under",
+    "over",
+    "mat",
+    "tree",
+    "house",
+    "red",
+    "blue",
+    "green",
+    "small",
+    "big",
+    "old",
+    "new",
+    "one",
+    "two",
+    "three",
+    "and",
+    "or",
+    "but",
+    "then",
+    "it",
+    "is",
+    "was",
+    "were",
+    "be",
+    "here",
+    "there",
+    "today",
+    "yesterday",
+    "quick",
+    "slow",
+    "happy",
+    "sad",
+    "river",
+    "hill",
+    "road",
+    "city",
+    "sun",
+    "moon",
+    "star",
+    "rain",
+    "snow",
+    "wind",
+    "morning",
+    "night",
+    "bread",
+    "milk",
+    "tea",
+    "book",
+    "pen",
+    "door",
+]
+SPECIAL = ["<unk>", "<s>", "</s>"]
+VOCAB = SPECIAL + WORDS  # model vocab = tokenizer vocab: every generated id decodes
+SYSTEM = "a small happy bird sat on the old tree today and it was here"
+PROMPTS = ["the cat sat on", "two red dog ran under the big", "it was morning"]
+NEW_TOKENS = 10
+
+CFG = preset(
+    "tiny",
+    vocab_size=len(VOCAB),
+    num_kv_heads=2,
+    tie_word_embeddings=True,
+    rope_scaling=Llama3RopeScaling(4.0, 1.0, 4.0, 32),
+    rope_theta=500000.0,
+    block_size=4,
+)
+
+
+def word_tokenizer() -> Tokenizer:
+    """A word-level tokenizer whose post-processor adds ``<s>``, as Llama's does."""
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.add_special_tokens(SPECIAL)
+    return tok
+
+
+def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], eos: int | None) -> list[list[int]]:
+    """HF ``generate``, one prompt at a time, cut before the eos (which HF keeps)."""
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
+        outputs.append(out[: out.index(eos)] if eos in out else out)
+    return outputs
+
+
+def edit_json(path: Path, **changes: object) -> None:
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """A checkpoint directory (and a sharded copy) plus HF's greedy answers on it.
+
+    Its eos is a token HF really generates mid-answer for the first prompt, so stopping at
+    the checkpoint's eos is observable (a random model rarely produces ``</s>`` by itself).
+    """
+    root = tmp_path_factory.mktemp("llama")
+    model = hf_llama(CFG)  # our seeded weights: decisive, so float32 greedy is stable
+    single, sharded = root / "single", root / "sharded"
+    model.save_pretrained(single)
+    model.save_pretrained(sharded, max_shard_size="40KB")
+    tokenizer = word_tokenizer()
+    prompt_ids = encode_prompts(tokenizer, PROMPTS, SYSTEM)
+    free_run = hf_greedy(model, prompt_ids, eos=None)
+    eos = next(t for i, t in enumerate(free_run[0]) if i >= 3 and t not in free_run[0][:i])
+    for folder in (single, sharded):
+        tokenizer.save(str(folder / "tokenizer.json"))
+        edit_json(folder / "config.json", eos_token_id=eos)
+    return {
+        "single": single,
+        "sharded": sharded,
+        "eos": eos,
+        "prompt_ids": prompt_ids,
+        "expected": hf_greedy(model, prompt_ids, eos),
+        "tokenizer": tokenizer,
+    }
+
+
+# ---- loading ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_from_pretrained_loads_the_checkpoint(
+    step: ModuleType, checkpoint: dict[str, object], layout: str
+) -> None:
+    """Every tensor arrives where it belongs: the loaded model equals the one that was saved,
+    and its cfg carries the checkpoint's fields."""
+    folder = checkpoint[layout]
+    if layout == "sharded":
+        assert (folder / "model.safetensors.index.json").is_file()
+        assert len(list(folder.glob("*.safetensors"))) > 2
+    model = step.TinyTransformerPaged.from_pretrained(folder, block_size=4, total_blocks=64)
+    assert model.cfg == CFG.replace(total_blocks=64, seed=None)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
+    assert tuple(model.kv_pool_k.shape) == (2, 64, 4, 2, 16)  # 2 KV heads, not 4
+    expected = step.TinyTransformerPaged(CFG).state_dict()
+    actual = model.state_dict()
+    assert actual.keys() == expected.keys()
+    assert all(torch.equal(actual[k], expected[k]) for k in expected)
+
+
+def test_stored_dtype_is_cast_to_the_configured_one(step: ModuleType, tmp_path: Path) -> None:
+    """A bfloat16 checkpoint loads into float32 (the default) and float64 alike."""
+    hf_llama(CFG).to(torch.bfloat16).save_pretrained(tmp_path)
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert stored["model.norm.weight"].dtype == torch.bfloat16
+    for dtype in (None, torch.float64):
+        kwargs = {} if dtype is None else {"dtype": dtype}
+        model = step.TinyTransformerPaged.from_pretrained(tmp_path, **kwargs)
+        want = dtype or torch.float32
+        assert model.cfg.dtype == want and model.kv_pool_v.dtype == want
+        weight = model.model.layers[1].mlp.down_proj.weight
+        assert weight.dtype == want
+        assert torch.equal(weight, stored["model.layers.1.mlp.down_proj.weight"].to(want))
+
+
+def test_both_rope_config_layouts_give_the_same_config(checkpoint: dict[str, object]) -> None:
+    """``rope_parameters`` (current transformers) and ``rope_theta`` + ``rope_scaling`` (older
+    checkpoints, with ``rope_type`` or the even older ``type``) are read alike."""
+    new = json.loads((checkpoint["single"] / "config.json").read_text())
+    rope = dict(new.pop("rope_parameters"))
+    theta = rope.pop("rope_theta")
+    old = dict(new, rope_theta=theta, rope_scaling=dict(rope))
+    rope["type"] = rope.pop("rope_type")
+    oldest = dict(new, rope_theta=theta, rope_scaling=rope)
+    expected = config_from_hf(json.loads((checkpoint["single"] / "config.json").read_text()))
+    assert expected.rope_scaling == CFG.rope_scaling and expected.rope_theta == 500000.0
+    assert config_from_hf(old) == expected
+    assert config_from_hf(oldest) == expected
+    plain = config_from_hf(dict(new, rope_theta=theta, rope_scaling=None))
+    assert plain.rope_scaling is None and plain.rope_theta == 500000.0
+
+
+def test_eos_ids_from_generation_config_or_config(checkpoint: dict[str, object]) -> None:
+    folder = checkpoint["single"]
+    assert eos_token_ids(folder) == [checkpoint["eos"]]  # generation_config.json says null
+    edit_json(folder / "generation_config.json", eos_token_id=[7, 9])
+    try:
+        assert eos_token_ids(folder) == [7, 9]
+    finally:
+        edit_json(folder / "generation_config.json", eos_token_id=None)
+
+
+# ---- text in, text out -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_text_through_every_step_equals_hf(
+    step: ModuleType, checkpoint: dict[str, object], layout: str
+) -> None:
+    """Same prompts, same tokens as HF ``generate``; the first request stops at the
+    checkpoint's eos; the shared system prompt is served from the cache."""
+    result = generate_text(
+        step, checkpoint[layout], PROMPTS, system=SYSTEM, max_new_tokens=NEW_TOKENS, block_size=4
+    )
+    expected = checkpoint["expected"]
+    assert result.prompt_ids == checkpoint["prompt_ids"]
+    assert result.output_ids == expected
+    assert len(expected[0]) < NEW_TOKENS  # it stopped at the eos
+    decode = checkpoint["tokenizer"].decode
+    assert result.outputs == [decode(ids, skip_special_tokens=True) for ids in expected]
+    assert all(text.split() and set(text.split()) <= set(WORDS) for text in result.outputs)
+    s = result.stats
+    assert s.requests_hit == len(PROMPTS) - 1  # every request after the first
+    system_blocks = result.system_tokens // 4
+    assert system_blocks >= 2
+    assert s.cached_tokens == (len(PROMPTS) - 1) * system_blocks * 4
+
+
+def test_prompts_share_the_system_prompt_token_for_token(checkpoint: dict[str, object]) -> None:
+    tokenizer = load_tokenizer(checkpoint["single"])
+    ids = encode_prompts(tokenizer, PROMPTS, SYSTEM)
+    prefix = tokenizer.encode(SYSTEM).ids
+    assert prefix[0] == 1  # <s>
+    assert 0 not in prefix  # every word is in the vocabulary: no <unk>
+    assert all(p[: len(prefix)] == prefix for p in ids)
+    assert encode_prompts(tokenizer, ["the cat"])[0] == [1, VOCAB.index("the"), VOCAB.index("cat")]
+
+
+def test_run_text_prints_outputs_and_cache_figures(
+    checkpoint: dict[str, object], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What ``run.py --model DIR --system ... --prompt ... --prompt ...`` prints."""
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    parser.add_argument("--block-size", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=NEW_TOKENS)
+    argv = ["--model", str(checkpoint["single"]), "--system", SYSTEM]
+    for prompt in PROMPTS:
+        argv += ["--prompt", prompt]
+    assert run_text("step14_7", parser.parse_args(argv)) == 0
+    out = capsys.readouterr().out
+    decode = checkpoint["tokenizer"].decode
+    for prompt, ids in zip(PROMPTS, checkpoint["expected"]):
+        assert prompt in out
+        assert decode(ids, skip_special_tokens=True) in out
+    assert "2 KV heads" in out
+    assert "prefix cache: 2/3 requests hit" in out
+
+
+# ---- refusals --------------------------------------------------------------------------------
+
+
+def copy_with_weights(src: Path, dst: Path, edit) -> Path:
+    """A copy of checkpoint ``src`` whose weights went through ``edit(dict)``."""
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / "model.safetensors"))
+    edit(weights)
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda w: w.pop("model.layers.1.mlp.up_proj.weight"),
+            "missing tensor model.layers.1.mlp.up_proj.weight",
+        ),
+        (
+            lambda w: w.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(64, 64)}),
+            "k_proj.weight has shape (64, 64), the config implies (32, 64)",
+        ),
+        (
+            lambda w: w.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}),
+            "unexpected tensor model.layers.0.self_attn.q_proj.bias",
+        ),
+        (
+            lambda w: w.update({"lm_head.weight": torch.zeros(len(VOCAB), 64)}),
+            "lm_head.weight differs from model.embed_tokens.weight",
+        ),
+    ],
+    ids=["missing", "wrong-shape", "unexpected", "untied-lm-head"],
+)
+def test_weights_that_do_not_fit_are_refused(
+    checkpoint: dict[str, object], tmp_path: Path, edit, message: str
+) -> None:
+    folder = copy_with_weights(checkpoint["single"], tmp_path / "ckpt", edit)
+    with pytest.raises(CheckpointError) as info:
+        load_and_build(folder)
+    assert message in str(info.value)
+
+
+def load_and_build(folder: Path) -> torch.nn.Module:
+    from step14 import TinyTransformerPaged
+
+    return TinyTransformerPaged.from_pretrained(folder)
+
+
+def test_redundant_tensors_are_accepted(checkpoint: dict[str, object], tmp_path: Path) -> None:
+    """A tied checkpoint that also stores the (identical) lm_head, and an old-style
+    ``rotary_emb.inv_freq`` buffer: both carry nothing new, both load."""
+
+    def add(w: dict[str, torch.Tensor]) -> None:
+        w["lm_head.weight"] = w["model.embed_tokens.weight"].clone()
+        w["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+
+    model = load_and_build(copy_with_weights(checkpoint["single"], tmp_path / "ckpt", add))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"attention_bias": True}, "attention_bias"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"sliding_window": 4096}, "sliding_window"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "yarn"),
+        ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, "linear"),
+        ({"model_type": "mistral"}, "model_type"),
+        ({"architectures": ["Qwen2ForCausalLM"]}, "architectures"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+        ({"num_key_value_heads": 3}, "num_kv_heads"),
+        ({"hidden_size": None}, "hidden_size"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
+def test_unsupported_fields_are_refused_by_name(
+    checkpoint: dict[str, object], tmp_path: Path, changes: dict[str, object], field: str
+) -> None:
+    """Refused at load, before any weight is read, with the field named."""
+    (tmp_path / "config.json").write_text((checkpoint["single"] / "config.json").read_text())
+    edit_json(tmp_path / "config.json", **changes)  # no weights here: refused before reading
+    with pytest.raises(CheckpointError, match=field):
+        load_checkpoint(tmp_path)
+
+
+def test_not_a_checkpoint_directory(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="downloads nothing"):
+        load_checkpoint(tmp_path / "meta-llama/Llama-3.2-1B")
+    with pytest.raises(CheckpointError, match=r"config\.json"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(CheckpointError, match="lacks vocab_size"):
+        load_checkpoint(tmp_path)
+
+
+def test_no_safetensors_is_refused(checkpoint: dict[str, object], tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text((checkpoint["single"] / "config.json").read_text())
+    with pytest.raises(CheckpointError, match=r"no \*\.safetensors"):
+        load_checkpoint(tmp_path)
+
+
+def test_missing_optional_packages_say_how_to_install(
+    checkpoint: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[real\]'"):
+        load_checkpoint(checkpoint["single"])
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[real\]'"):
+        load_tokenizer(checkpoint["single"])
