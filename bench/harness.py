@@ -42,12 +42,16 @@ def bench_config(workload: Workload, model: str = "bench", **changes: object) ->
 
 @dataclass
 class RunResult:
+    """One run's tokens and time, and the engine's counters (left at 0 by the HF row)."""
+
     outputs: list[list[int]]
     seconds: float
     requests: int = 0
     requests_hit: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    computed_prefill_tokens: int = 0
+    computed_decode_tokens: int = 0
 
 
 class StepRunner:
@@ -72,5 +76,12 @@ class StepRunner:
         seconds = time.perf_counter() - start
         s = engine.stats
         return RunResult(
-            outputs, seconds, s.requests, s.requests_hit, s.prompt_tokens, s.cached_tokens
+            outputs,
+            seconds,
+            requests=s.requests,
+            requests_hit=s.requests_hit,
+            prompt_tokens=s.prompt_tokens,
+            cached_tokens=s.cached_tokens,
+            computed_prefill_tokens=s.computed_prefill_tokens,
+            computed_decode_tokens=s.computed_decode_tokens,
         )

@@ -1,9 +1,5 @@
-"""``python -m bench``: every step on the same workload, side by side.
-
-Loads each step, serves the same shared-prefix requests through it ``--repeats`` times (a fresh
-engine, so a cold cache, each time), checks that every step produced the same tokens as the
-dense reference model, and prints what each step buys.
-"""
+"""``python -m bench``: every step on the same workload, side by side (``--help``: what it
+does, every flag and its default)."""
 
 from __future__ import annotations
 
@@ -11,17 +7,30 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from common.config import parse_dtype
+from common.config import DTYPES, PRESETS
 from common.reference import ReferenceModel, reference_generate
 from common.steps import FIXES, available_steps
 
 from . import report
+from .cli import HelpFormatter, device_name, dtype_name, non_negative_int, positive_int
 from .harness import RunResult, StepRunner, Workload, bench_config
 from .hf import hf_runner
+
+DESCRIPTION = """\
+Every step on the same workload, side by side.
+
+Serves the same shared-prefix requests through each step --repeats times (a fresh engine, so a
+cold cache, each time), checks that every row produced the same tokens as the dense reference
+model, and prints what each step buys. Results go to OUT/results.json (and OUT/speedups.png
+when matplotlib is installed).
+"""
 
 
 @dataclass
@@ -43,28 +52,112 @@ class Row:
         return self.new_tokens / self.median
 
 
+def model_name(text: str) -> str:
+    """``--model``: a preset name (common/config.py), or a local checkpoint directory."""
+    if text in PRESETS or Path(text).is_dir():
+        return text
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory"
+    )
+
+
+def step_list(text: str) -> list[str]:
+    """``--steps``: comma-separated step names, each one that exists in this checkout, once."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    here = available_steps()
+    if not names:
+        raise argparse.ArgumentTypeError(f"name at least one step, e.g. {here[0]},{here[-1]}")
+    for name in names:
+        if name not in here:
+            raise argparse.ArgumentTypeError(f"no step {name!r}; steps: {','.join(here)}")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"a step is named twice in {text!r}")
+    return names
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    """The flags, every value checked here: a bad one exits 2 with one ``error:`` line."""
+    p = argparse.ArgumentParser(
+        prog="python -m bench", description=DESCRIPTION, formatter_class=HelpFormatter
+    )
     w = Workload()
-    p.add_argument("--requests", type=int, default=w.num_requests)
-    p.add_argument("--prefix-len", type=int, default=w.prefix_len, help="shared prefix tokens")
-    p.add_argument("--tail-len", type=int, default=w.tail_len, help="distinct tokens per request")
-    p.add_argument("--new-tokens", type=int, default=w.max_new_tokens)
-    p.add_argument("--max-running", type=int, default=w.max_running)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--model", default="demo", help="config preset: tiny, demo or bench")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--steps", default=",".join(available_steps()), help="comma-separated")
+    p.add_argument("--requests", type=positive_int, default=w.num_requests, help="requests")
+    p.add_argument(
+        "--prefix-len",
+        type=non_negative_int,
+        default=w.prefix_len,
+        help="tokens of the prefix every request shares",
+    )
+    p.add_argument(
+        "--tail-len", type=non_negative_int, default=w.tail_len, help="tokens of each request's own"
+    )
+    p.add_argument(
+        "--new-tokens",
+        type=positive_int,
+        default=w.max_new_tokens,
+        help="tokens generated per request",
+    )
+    p.add_argument(
+        "--max-running",
+        type=positive_int,
+        default=w.max_running,
+        help="requests the engine runs at once",
+    )
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    p.add_argument(
+        "--model", type=model_name, default="demo", help=f"a config preset ({', '.join(PRESETS)})"
+    )
+    p.add_argument(
+        "--repeats", type=positive_int, default=3, help="runs per row; the table shows their median"
+    )
+    p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument(
+        "--threads", type=non_negative_int, default=0, help="torch CPU threads (0: torch's default)"
+    )
+    p.add_argument("--dtype", type=dtype_name, default="float32", help=", ".join(DTYPES))
+    p.add_argument(
+        "--steps",
+        type=step_list,
+        default=",".join(available_steps()),
+        help="comma-separated steps to run; the first is the baseline",
+    )
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face row")
-    p.add_argument("--no-reference", action="store_true", help="skip the dense-model check")
-    p.add_argument("--out", default="bench/results", help="where results.json / speedups.png go")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--no-reference",
+        action="store_true",
+        help="skip the check against the dense reference model (slow on big runs)",
+    )
+    p.add_argument(
+        "--out", default="bench/results", help="folder for results.json and speedups.png"
+    )
+    args = p.parse_args(argv)
+    if args.prefix_len + args.tail_len == 0:
+        p.error("--prefix-len and --tail-len are both 0: a prompt needs at least one token")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        p.error(f"--out {args.out}: exists and is not a folder")
+    if args.model not in PRESETS:
+        # The one place a checkpoint directory would be loaded instead of a preset.
+        p.error(f"--model {args.model}: checkpoint directories are not supported yet")
+    return args
 
 
-def measure(name: str, fixes: str, run, repeats: int, new_tokens: int) -> Row:
+class Stopwatch:
+    """How long each phase of the run took, so that a slow one is visible (and skippable)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = time.perf_counter() - start
+
+
+def measure(
+    name: str, fixes: str, run: Callable[[], RunResult], repeats: int, new_tokens: int
+) -> Row:
+    """``repeats`` runs of one row, each printed as it finishes (a slow row shows at once)."""
     seconds, result = [], None
     print(f"  {name:<22}", end="", flush=True)
     for _ in range(repeats):
@@ -87,41 +180,50 @@ def main(argv: list[str] | None = None) -> int:
         args.model,
         block_size=args.block_size,
         device=args.device,
-        dtype=parse_dtype(args.dtype),
+        dtype=DTYPES[args.dtype],
     )
     prompts = workload.prompts(cfg.vocab_size)
     new_tokens = workload.num_requests * workload.max_new_tokens
     print(report.header(cfg, workload, args.repeats))
 
-    def timed(name: str, fixes: str, run) -> Row:
+    def timed(name: str, fixes: str, run: Callable[[], RunResult]) -> Row:
         return measure(name, fixes, run, args.repeats, new_tokens)
 
+    clock = Stopwatch()
     rows, runner = [], None
-    for name in [s for s in args.steps.split(",") if s]:
-        runner = StepRunner(name, cfg)
-        rows.append(timed(name, FIXES[name][1], lambda r=runner: r.run(prompts, workload)))
-    # The last step again, cache off: what the prefix cache itself buys.
-    extra = [
-        timed(
-            f"{rows[-1].name} (no cache)",
-            "the same, prefix cache disabled",
-            lambda: runner.run(prompts, workload, enable_prefix_cache=False),
-        )
-    ]
-    hf_run = None if args.no_hf else hf_runner(cfg, prompts, workload)
-    if hf_run is not None:
-        extra.append(
-            timed("HF generate", "transformers LlamaForCausalLM.generate, batched", hf_run)
-        )
-    expected = None if args.no_reference else reference_tokens(cfg, prompts, workload)
+    with clock.phase("steps"):
+        for name in args.steps:
+            runner = StepRunner(name, cfg)
+            rows.append(timed(name, FIXES[name][1], lambda r=runner: r.run(prompts, workload)))
+        # The last step again, cache off: what the prefix cache itself buys.
+        extra = [
+            timed(
+                f"{rows[-1].name} (no cache)",
+                "the same, prefix cache disabled",
+                lambda: runner.run(prompts, workload, enable_prefix_cache=False),
+            )
+        ]
+    if not args.no_hf:
+        with clock.phase("Hugging Face"):
+            hf_run = hf_runner(cfg, prompts, workload)
+            if hf_run is not None:
+                extra.append(
+                    timed("HF generate", "transformers LlamaForCausalLM.generate, batched", hf_run)
+                )
+    expected = None
+    if not args.no_reference:
+        with clock.phase("reference check"):
+            expected = reference_tokens(cfg, prompts, workload)
     same = report.check_tokens(rows + extra, expected)
     print(report.table(rows, extra))
     print(same.message)
+    print(report.phases(clock.seconds))
     report.save(args.out, cfg, workload, args, rows, extra, same.ok)
     return 0 if same.ok else 1
 
 
-def reference_tokens(cfg, prompts, workload: Workload) -> list[list[int]]:
+def reference_tokens(cfg, prompts: list[list[int]], workload: Workload) -> list[list[int]]:
+    """The dense, cache-free model's tokens: every row must match them."""
     print("  dense reference       ", end="", flush=True)
     start = time.perf_counter()
     tokens = reference_generate(ReferenceModel(cfg), prompts, workload.max_new_tokens)

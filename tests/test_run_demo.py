@@ -3,17 +3,63 @@
 from __future__ import annotations
 
 import importlib
+import re
 
 import pytest
 
 from tests.conftest import STEP_NAMES
 
+ROUND = re.compile(
+    r"^(?P<label>.+?)\s+[\d.]+ ms\s+hit rate (?P<hit>\d+% \(\d+/\d+\))\s+"
+    r"tokens \d+% \((?P<cached>\d+)/(?P<prompt>\d+)\)\s+"
+    r"computed (?P<prefill>\d+) prefill \+ (?P<decode>\d+) decode tokens$",
+    re.MULTILINE,
+)
+
+
+def demo_output(step_name: str, capsys: pytest.CaptureFixture, new_tokens: int) -> str:
+    run = importlib.import_module(f"{step_name}.run")
+    assert run.main(["--max-new-tokens", str(new_tokens)]) == 0, "a check printed ❌"
+    return capsys.readouterr().out
+
+
+def rounds(out: str) -> dict[str, dict[str, str]]:
+    """Each round's line, by label: its hit rate and token counts."""
+    return {m["label"]: m.groupdict() for m in ROUND.finditer(out)}
+
 
 @pytest.mark.parametrize("step_name", STEP_NAMES)
 def test_demo_prints_the_chapter_figures(step_name: str, capsys: pytest.CaptureFixture) -> None:
-    run = importlib.import_module(f"{step_name}.run")
-    assert run.main(["--max-new-tokens", "4"]) == 0, "a check printed ❌"
-    out = capsys.readouterr().out
-    assert "Round 1 (cold cache), serial" in out and "hit rate 90% (9/10)" in out
-    assert "Round 2 (hot cache), serial" in out and "hit rate 100% (10/10)" in out
+    out = demo_output(step_name, capsys, new_tokens=4)
+    by_label = rounds(out)
+    assert by_label["Round 1 (cold cache), serial"]["hit"] == "90% (9/10)"
+    assert by_label["Round 2 (hot cache), serial"]["hit"] == "100% (10/10)"
+    assert by_label["Round 3 (cache off), serial"]["hit"] == "0% (0/10)"
+    assert any(label.startswith("Batched") for label in by_label)
     assert out.count("✅") == 4 and "❌" not in out
+
+
+@pytest.mark.parametrize("step_name", [STEP_NAMES[0], STEP_NAMES[-1]])
+def test_demo_counts_the_tokens_it_computed(step_name: str, capsys) -> None:
+    """Every round says how many prompt tokens the model really computed (the rest came from
+    the cache) and how many it decoded; the cache-off round computes the whole prompt."""
+    out = demo_output(step_name, capsys, new_tokens=3)
+    by_label = rounds(out)
+    assert len(by_label) == 4
+    for line in by_label.values():
+        assert int(line["prefill"]) == int(line["prompt"]) - int(line["cached"])
+        assert int(line["decode"]) == 10 * (3 - 1)  # the first new token comes from prefill
+    cold, hot, off = (
+        int(by_label[f"Round {i} ({name}), serial"]["prefill"])
+        for i, name in ((1, "cold cache"), (2, "hot cache"), (3, "cache off"))
+    )
+    assert hot < cold < off
+    meaning = out[out.index("What the numbers mean") :].split("\n\n")[0].replace("\n", " ")
+    assert f"computed {off} prompt tokens with the cache off, {cold} cold and {hot} hot" in meaning
+    assert "Decode is the same 20 tokens in every round" in meaning
+
+
+def test_demo_without_decode_says_only_what_prefill_saved(capsys) -> None:
+    out = demo_output(STEP_NAMES[-1], capsys, new_tokens=1)
+    assert "1 new token each" in out
+    assert "What the numbers mean" in out and "Decode is" not in out

@@ -1,0 +1,75 @@
+"""Command-line checks shared by ``python -m bench`` and every step's demo (``run.py``).
+
+Each function below is an argparse ``type=``: it turns the text of one flag into its value or
+raises ``argparse.ArgumentTypeError``, which argparse prints as one ``error:`` line before it
+exits with status 2. A bad value therefore stops the program before any model is built, instead
+of surfacing minutes later as a traceback (or, worse, as a negative tokens/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+
+from common.config import DTYPES
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """``--help`` shows every flag's default and keeps the description's line breaks."""
+
+
+def int_range(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An integer type that refuses values outside ``[minimum, maximum]`` (a count of 0 or -3
+    is a typo, not a request for an empty run)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = int_range(1)
+non_negative_int = int_range(0)
+seed_int = int_range(0, 2**63 - 1)  # what torch.Generator.manual_seed takes
+
+
+def dtype_name(text: str) -> str:
+    """A dtype the model can be built in (``float32``, ``bfloat16``, ...)."""
+    if text not in DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a dtype; choose from {', '.join(DTYPES)}"
+        )
+    return text
+
+
+def device_name(text: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N``, refused here when this torch cannot use it (a CPU-only
+    build otherwise fails at the first tensor with "Torch not compiled with CUDA enabled")."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu or cuda") from None
+    if device.type == "cpu":
+        return text
+    if device.type != "cuda":
+        raise argparse.ArgumentTypeError(f"{text!r}: only cpu and cuda are supported")
+    if not torch.cuda.is_available():
+        why = "it was built without CUDA" if torch.version.cuda is None else "it sees no GPU"
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: torch {torch.__version__} cannot use CUDA ({why})"
+        )
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: there is no GPU {device.index} ({torch.cuda.device_count()} visible)"
+        )
+    return text
