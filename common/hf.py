@@ -22,18 +22,19 @@ from .weights import make_state_dict
 def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
     """``cfg`` as the keyword arguments of ``LlamaConfig`` (the fields of a ``config.json``).
 
-    RoPE goes in the current ``rope_parameters`` layout (θ and the scaling in one dict).
+    RoPE goes in the older ``rope_theta`` + ``rope_scaling`` layout, which every transformers
+    version reads (current ones convert it to ``rope_parameters`` themselves).
     """
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    scaling = None
     if cfg.rope_scaling is not None:
         s = cfg.rope_scaling
-        rope.update(
-            rope_type="llama3",
-            factor=s.factor,
-            low_freq_factor=s.low_freq_factor,
-            high_freq_factor=s.high_freq_factor,
-            original_max_position_embeddings=s.original_max_position_embeddings,
-        )
+        scaling = {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }
     return {
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
@@ -43,7 +44,8 @@ def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
         "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.d_head,
         "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_parameters": rope,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": scaling,
         "max_position_embeddings": 8192,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "attention_bias": False,
