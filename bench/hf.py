@@ -1,53 +1,47 @@
 """The optional Hugging Face row: ``LlamaForCausalLM.generate`` on the same weights and prompts.
 
-Our parameter names are HF's, so the very same state dict loads into ``LlamaForCausalLM``. It
-runs when ``transformers`` is installed (``pip install -e '.[hf]'``).
+Our parameter names are HF's, so the very same state dict loads into ``LlamaForCausalLM``
+(``common.hf``, which the tests also use as their outside oracle). It runs when
+``transformers`` is installed (``pip install -e '.[hf]'``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from common.config import ModelConfig
-from common.weights import make_state_dict
+from common.hf import hf_llama
 
 from .harness import RunResult, Workload
 
 
-def load_hf_llama(cfg: ModelConfig):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def load_hf_llama(cfg: ModelConfig, model_dir: str | Path | None = None):
+    """HF's model with our seeded weights, or with a checkpoint's (read by our loader, so both
+    rows compute with the very same tensors, cast to ``cfg.dtype``)."""
+    if model_dir is None:
+        return hf_llama(cfg)
+    from common.checkpoint import load_checkpoint
 
-    hf_cfg = LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        intermediate_size=cfg.d_ff,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_heads,
-        rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta,
-        max_position_embeddings=8192,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        mlp_bias=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    model = LlamaForCausalLM(hf_cfg)
-    model.load_state_dict(make_state_dict(cfg))
-    return model.to(device=cfg.device, dtype=cfg.dtype).eval()
+    _, weights = load_checkpoint(model_dir)
+    return hf_llama(cfg, weights)
 
 
 def hf_runner(
-    cfg: ModelConfig, prompts: list[list[int]], workload: Workload
+    cfg: ModelConfig,
+    prompts: list[list[int]],
+    workload: Workload,
+    model_dir: str | Path | None = None,
 ) -> Callable[[], RunResult] | None:
-    """A function that runs one batched greedy ``generate``, or None (with the reason printed)."""
+    """A function that runs one batched greedy ``generate``, or None (with the reason printed).
+
+    ``model_dir``: a local checkpoint directory instead of the seeded weights of ``cfg``.
+    """
     try:
-        model = load_hf_llama(cfg)
+        model = load_hf_llama(cfg, model_dir)
     except ImportError:
         print("  (Hugging Face row skipped: pip install -e '.[hf]' to add it)")
         return None

@@ -57,14 +57,19 @@ def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def hf_llama(
-    cfg: ModelConfig, weights: Mapping[str, torch.Tensor] | None = None, attn: str = "eager"
+    cfg: ModelConfig, weights: Mapping[str, torch.Tensor] | None = None, attn: str | None = None
 ) -> Any:
     """A ``LlamaForCausalLM`` holding ``weights`` (default: ours from ``cfg.seed``), in
-    ``cfg.dtype`` on ``cfg.device``, in eval mode."""
+    ``cfg.dtype`` on ``cfg.device``, in eval mode.
+
+    ``attn``: HF's attention implementation (``"eager"``: the plain matmul-softmax-matmul the
+    tests compare with; None: HF's default, ``"sdpa"``, the fast one the benchmark times).
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_cfg = LlamaConfig(**hf_config_dict(cfg))
-    hf_cfg._attn_implementation = attn
+    if attn is not None:
+        hf_cfg._attn_implementation = attn
     model = LlamaForCausalLM(hf_cfg)
     state = dict(make_state_dict(cfg) if weights is None else weights)
     if cfg.tie_word_embeddings:  # HF ties lm_head to the embedding itself

@@ -74,7 +74,7 @@ def prompts_for(cfg: ModelConfig) -> list[list[int]]:
 
 @cache
 def hf_model(cfg: ModelConfig) -> torch.nn.Module:
-    return hf_llama(cfg)
+    return hf_llama(cfg, attn="eager")
 
 
 @cache
