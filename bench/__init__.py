@@ -1,2 +1,2 @@
-"""Benchmarks: pytest-benchmark suites (``pytest bench/``) and the side-by-side showcase
+"""Benchmarks: pytest-benchmark suites (``python -m pytest bench/``) and the side-by-side showcase
 (``python -m bench``)."""

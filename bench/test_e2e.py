@@ -1,6 +1,6 @@
 """End to end: the same shared-prefix workload through every step's engine.
 
-    pytest bench/test_e2e.py --benchmark-columns=median,rounds --benchmark-sort=name
+    python -m pytest bench/test_e2e.py --benchmark-columns=median,rounds --benchmark-sort=name
 
 Each round serves all requests through a fresh engine (a cold cache), with continuous batching.
 """
