@@ -23,13 +23,15 @@ from .cli import HelpFormatter, device_name, dtype_name, non_negative_int, posit
 from .harness import RunResult, StepRunner, Workload, bench_config
 from .hf import hf_runner
 
+ALL_STEPS = "all"
+
 DESCRIPTION = """\
 Every step on the same workload, side by side.
 
 Serves the same shared-prefix requests through each step --repeats times (a fresh engine, so a
 cold cache, each time), checks that every row produced the same tokens as the dense reference
-model, and prints what each step buys. Results go to OUT/results.json (and OUT/speedups.png
-when matplotlib is installed).
+model, and prints what each step buys. Results go to the --out folder: results.json, and
+speedups.png when matplotlib is installed.
 """
 
 
@@ -62,9 +64,12 @@ def model_name(text: str) -> str:
 
 
 def step_list(text: str) -> list[str]:
-    """``--steps``: comma-separated step names, each one that exists in this checkout, once."""
-    names = [name.strip() for name in text.split(",") if name.strip()]
+    """``--steps``: comma-separated step names, each one that exists in this checkout, once;
+    or ``all``, every step here in order."""
     here = available_steps()
+    if text == ALL_STEPS:
+        return here
+    names = [name.strip() for name in text.split(",") if name.strip()]
     if not names:
         raise argparse.ArgumentTypeError(f"name at least one step, e.g. {here[0]},{here[-1]}")
     for name in names:
@@ -81,45 +86,74 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m bench", description=DESCRIPTION, formatter_class=HelpFormatter
     )
     w = Workload()
-    p.add_argument("--requests", type=positive_int, default=w.num_requests, help="requests")
+    p.add_argument(
+        "--requests",
+        type=positive_int,
+        default=w.num_requests,
+        metavar="N",
+        help="requests, all behind one shared prefix",
+    )
     p.add_argument(
         "--prefix-len",
         type=non_negative_int,
         default=w.prefix_len,
+        metavar="N",
         help="tokens of the prefix every request shares",
     )
     p.add_argument(
-        "--tail-len", type=non_negative_int, default=w.tail_len, help="tokens of each request's own"
+        "--tail-len",
+        type=non_negative_int,
+        default=w.tail_len,
+        metavar="N",
+        help="tokens of each request's own after the prefix",
     )
     p.add_argument(
         "--new-tokens",
         type=positive_int,
         default=w.max_new_tokens,
+        metavar="N",
         help="tokens generated per request",
     )
     p.add_argument(
         "--max-running",
         type=positive_int,
         default=w.max_running,
+        metavar="N",
         help="requests the engine runs at once",
     )
-    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     p.add_argument(
-        "--model", type=model_name, default="demo", help=f"a config preset ({', '.join(PRESETS)})"
+        "--block-size", type=positive_int, default=16, metavar="N", help="tokens per KV block"
     )
     p.add_argument(
-        "--repeats", type=positive_int, default=3, help="runs per row; the table shows their median"
+        "--model",
+        type=model_name,
+        default="demo",
+        metavar="PRESET",
+        help=f"the model's config preset: {', '.join(PRESETS)}",
+    )
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=3,
+        metavar="N",
+        help="runs per row; the table shows their median",
     )
     p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument(
-        "--threads", type=non_negative_int, default=0, help="torch CPU threads (0: torch's default)"
+        "--threads",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="torch CPU threads (0: torch's default)",
     )
     p.add_argument("--dtype", type=dtype_name, default="float32", help=", ".join(DTYPES))
     p.add_argument(
         "--steps",
         type=step_list,
-        default=",".join(available_steps()),
-        help="comma-separated steps to run; the first is the baseline",
+        default=ALL_STEPS,
+        metavar="STEP,...",
+        help=f"the steps to run, comma-separated, or {ALL_STEPS}; the first is the "
+        "baseline of the vs column",
     )
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face row")
     p.add_argument(
@@ -128,7 +162,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="skip the check against the dense reference model (slow on big runs)",
     )
     p.add_argument(
-        "--out", default="bench/results", help="folder for results.json and speedups.png"
+        "--out",
+        default="bench/results",
+        metavar="DIR",
+        help="folder for results.json and speedups.png",
     )
     args = p.parse_args(argv)
     if args.prefix_len + args.tail_len == 0:

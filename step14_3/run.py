@@ -54,19 +54,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", type=dtype_name, default="float32", help=", ".join(DTYPES))
-    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
-    p.add_argument("--total-blocks", type=positive_int, default=512, help="KV blocks in the pool")
     p.add_argument(
-        "--max-new-tokens", type=positive_int, default=16, help="tokens generated per request"
+        "--block-size", type=positive_int, default=16, metavar="N", help="tokens per KV block"
     )
     p.add_argument(
-        "--max-running", type=positive_int, default=4, help="the batched engine's running set"
+        "--total-blocks", type=positive_int, default=512, metavar="N", help="KV blocks in the pool"
     )
-    p.add_argument("--seed", type=seed_int, default=0, help="seed of the model's random weights")
+    p.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=16,
+        metavar="N",
+        help="tokens generated per request",
+    )
+    p.add_argument(
+        "--max-running",
+        type=positive_int,
+        default=4,
+        metavar="N",
+        help="the batched engine's running set",
+    )
+    p.add_argument(
+        "--seed", type=seed_int, default=0, metavar="N", help="seed of the model's random weights"
+    )
     p.add_argument(
         "--threads",
         type=non_negative_int,
         default=1,
+        metavar="N",
         help="torch CPU threads (0: torch's default); one suits the small demo model and "
         "keeps its timings steady on a busy machine",
     )

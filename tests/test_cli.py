@@ -121,6 +121,7 @@ def test_bench_accepts_the_edge_values() -> None:
     assert (args.prefix_len, args.threads) == (0, 0)
     assert args.steps == [STEP_NAMES[-1], STEP_NAMES[0]]  # the order given, blanks ignored
     assert showcase.parse_args([]).steps == STEP_NAMES
+    assert showcase.parse_args(["--steps", "all"]).steps == STEP_NAMES
 
 
 def demo_errors() -> list[tuple[list[str], str]]:
