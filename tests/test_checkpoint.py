@@ -103,7 +103,7 @@ CFG = preset(
     vocab_size=len(VOCAB),
     num_kv_heads=2,
     tie_word_embeddings=True,
-    rope_scaling=Llama3RopeScaling(4.0, 1.0, 4.0, 32),
+    rope_scaling=Llama3RopeScaling(4.0, 1.0, 4.0, 64),  # all three bands: see test_hf_oracle
     rope_theta=500000.0,
     block_size=4,
 )
@@ -146,7 +146,7 @@ def edit_json(path: Path, **changes: object) -> None:
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """A checkpoint directory (and a sharded copy) plus HF's greedy answers on it.
 
-    Its eos is a token HF really generates mid-answer for the first prompt, so stopping at
+    Its eos is a token HF really generates mid-answer for one prompt, so stopping at
     the checkpoint's eos is observable (a random model rarely produces ``</s>`` by itself).
     """
     root = tmp_path_factory.mktemp("llama")
@@ -157,7 +157,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     tokenizer = word_tokenizer()
     prompt_ids = encode_prompts(tokenizer, PROMPTS, SYSTEM)
     free_run = hf_greedy(model, prompt_ids, eos=None)
-    eos = next(t for i, t in enumerate(free_run[0]) if i >= 3 and t not in free_run[0][:i])
+    eos = next(  # a token that some answer reaches after two others
+        t for out in free_run for i, t in enumerate(out) if i >= 2 and t not in out[:i]
+    )
     for folder in (single, sharded):
         tokenizer.save(str(folder / "tokenizer.json"))
         edit_json(folder / "config.json", eos_token_id=eos)
@@ -243,15 +245,15 @@ def test_eos_ids_from_generation_config_or_config(checkpoint: dict[str, object])
 def test_text_through_every_step_equals_hf(
     step: ModuleType, checkpoint: dict[str, object], layout: str
 ) -> None:
-    """Same prompts, same tokens as HF ``generate``; the first request stops at the
-    checkpoint's eos; the shared system prompt is served from the cache."""
+    """Same prompts, same tokens as HF ``generate``; a request stops at the checkpoint's eos;
+    the shared system prompt is served from the cache."""
     result = generate_text(
         step, checkpoint[layout], PROMPTS, system=SYSTEM, max_new_tokens=NEW_TOKENS, block_size=4
     )
     expected = checkpoint["expected"]
     assert result.prompt_ids == checkpoint["prompt_ids"]
     assert result.output_ids == expected
-    assert len(expected[0]) < NEW_TOKENS  # it stopped at the eos
+    assert min(map(len, expected)) < NEW_TOKENS  # one answer stopped at the eos
     decode = checkpoint["tokenizer"].decode
     assert result.outputs == [decode(ids, skip_special_tokens=True) for ids in expected]
     assert all(text.split() and set(text.split()) <= set(WORDS) for text in result.outputs)

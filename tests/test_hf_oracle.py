@@ -33,11 +33,12 @@ HF_ABS_TOL = 2e-4
 WRONG_CONVENTION_MIN_ERROR = 100 * HF_ABS_TOL
 
 LLAMA3 = Llama3RopeScaling(
-    factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32
+    factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
 )
 
-# name -> (preset, changes). original_max_position_embeddings=32 puts the tiny model's
-# wavelengths (6 .. ~20000 positions) in all three llama3 bands: kept, blended, stretched.
+# name -> (preset, changes). original_max_position_embeddings=64 puts the tiny model's
+# wavelengths in all three llama3 bands, below 16 kept, 16..64 blended, above 64 stretched: at
+# θ = 500000 they are 6.3, 32.5, 168, ...; at θ = 10000, 6.3, 19.9, 62.8, 199, ...
 CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
     "tiny": ("tiny", {}),
     "demo": ("demo", {"num_layers": 2}),

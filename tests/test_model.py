@@ -251,10 +251,15 @@ def test_state_dict_is_hf_llama(step: ModuleType, num_layers: int) -> None:
     assert not any("kv_pool" in k for k in state)
 
 
-def test_kv_pool_shape(step: ModuleType) -> None:
-    cfg = tiny_config(num_layers=3, total_blocks=17, block_size=5, num_heads=2)
+@pytest.mark.parametrize("num_kv_heads", [None, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_kv_pool_shape(step: ModuleType, num_kv_heads: int | None) -> None:
+    """``[layers, blocks, block_size, kv_heads, d_head]``: the chapter's num_heads by default;
+    grouped-query attention stores only its K/V heads, so every block shrinks."""
+    cfg = tiny_config(
+        num_layers=3, total_blocks=17, block_size=5, num_heads=4, num_kv_heads=num_kv_heads
+    )
     model = step.TinyTransformerPaged(cfg)
-    shape = (3, 17, 5, 2, cfg.d_head)
+    shape = (3, 17, 5, num_kv_heads or 4, cfg.d_head)
     assert tuple(model.kv_pool_k.shape) == shape
     assert tuple(model.kv_pool_v.shape) == shape
     assert model.kv_pool_k.dtype == model.kv_pool_v.dtype == cfg.dtype
