@@ -174,27 +174,32 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def kv_bytes_per_block(cfg: ModelConfig) -> int:
+def kv_bytes_per_block(cfg: ModelConfig, kv_heads: int | None = None) -> int:
     """K and V of one block, all layers: what grouped-query attention shrinks."""
     itemsize = torch.empty((), dtype=cfg.dtype).element_size()
-    return 2 * cfg.num_layers * cfg.block_size * cfg.num_kv_heads * cfg.d_head * itemsize
+    heads = cfg.num_kv_heads if kv_heads is None else kv_heads
+    return 2 * cfg.num_layers * cfg.block_size * heads * cfg.d_head * itemsize
 
 
-def describe(cfg: ModelConfig) -> str:
-    """One line about the loaded model and its KV pool."""
+def describe(cfg: ModelConfig) -> list[str]:
+    """Two lines about the loaded model and its KV pool (and what GQA saves per block)."""
     heads = f"{cfg.num_heads} heads"
     if cfg.num_kv_heads != cfg.num_heads:
         heads += f" / {cfg.num_kv_heads} KV heads"
-    block_kib = kv_bytes_per_block(cfg) / 1024
     dtype = str(cfg.dtype).removeprefix("torch.")
-    return (
-        f"{cfg.num_layers} layers, d_model {cfg.d_model}, {heads}, vocab {cfg.vocab_size}, "
-        f"{dtype} on {cfg.device}; KV pool {cfg.total_blocks} blocks x {cfg.block_size} tokens, "
-        f"{block_kib:.0f} KiB per block"
-    )
+    block = f"{kv_bytes_per_block(cfg) / 1024:g} KiB of K and V per block"
+    if cfg.num_kv_heads != cfg.num_heads:
+        full = kv_bytes_per_block(cfg, kv_heads=cfg.num_heads) / 1024
+        block += f" ({full:g} KiB without grouped-query attention)"
+    return [
+        f"{cfg.num_layers} layers, d_model {cfg.d_model}, {heads} of {cfg.d_head}, "
+        f"vocab {cfg.vocab_size}, {dtype} on {cfg.device}",
+        f"KV pool: {cfg.total_blocks} blocks x {cfg.block_size} tokens, {block}",
+    ]
 
 
 def print_result(result: TextResult, system: str | None) -> None:
+    """The answers, then the prefix cache's figures."""
     s = result.stats
     if system is not None:
         print(f"system prompt: {system!r} ({result.system_tokens} tokens, shared by every request)")
@@ -209,6 +214,8 @@ def print_result(result: TextResult, system: str | None) -> None:
         f"{s.cached_tokens}/{s.prompt_tokens} prompt tokens ({s.token_hit_rate:.0%}) from the "
         f"cache; {new_tokens} new tokens in {result.seconds:.2f} s"
     )
+    if len(result.prompts) > 1:
+        print("(request 1 arrives first; the others join once its prompt is in the pool)")
 
 
 def run_text(step: ModuleType | str, args: argparse.Namespace) -> int:
@@ -225,8 +232,11 @@ def run_text(step: ModuleType | str, args: argparse.Namespace) -> int:
     if getattr(args, "dtype", None) is not None:
         overrides["dtype"] = parse_dtype(args.dtype)
     step = load_step(step) if isinstance(step, str) else step
+    start = time.perf_counter()
     model = step.TinyTransformerPaged.from_pretrained(args.model, **overrides)
-    print(f"{step.__name__}: {args.model}\n  {describe(model.cfg)}")
+    print(f"{step.__name__}: {args.model} (loaded in {time.perf_counter() - start:.1f} s)")
+    for line in describe(model.cfg):
+        print(f"  {line}")
     result = generate_text(
         step,
         args.model,
