@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             n_new,
         )
         reference = reference_generate(ReferenceModel(cfg), prompts, n_new)
+    print()
     print(what_the_numbers_mean(cold_stats, hot_stats, off_stats))
 
     checks = [
