@@ -155,10 +155,21 @@ def generate_text(
 # ---- the command line -----------------------------------------------------------------------
 
 
+def model_dir_arg(text: str) -> str:
+    """``--model``: a directory holding ``config.json`` (else exit 2 with one error line)."""
+    if not (Path(text) / "config.json").is_file():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a checkpoint directory (no config.json in it); nothing is "
+            "downloaded: give a local directory"
+        )
+    return text
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """``--model DIR``, ``--system TEXT`` and ``--prompt TEXT`` (repeatable)."""
     parser.add_argument(
         "--model",
+        type=model_dir_arg,
         metavar="DIR",
         help="a local Hugging Face Llama checkpoint directory (config.json, *.safetensors, "
         "tokenizer.json): serve real text instead of the demo",

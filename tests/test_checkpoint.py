@@ -408,3 +408,33 @@ def test_missing_optional_packages_say_how_to_install(
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     with pytest.raises(ImportError, match=r"pip install -e '\.\[real\]'"):
         load_tokenizer(checkpoint["single"])
+
+
+def test_model_flag_wants_a_local_checkpoint_directory(
+    checkpoint: dict[str, object], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    args = parser.parse_args(
+        ["--model", str(checkpoint["single"]), "--prompt", "a", "--prompt", "b"]
+    )
+    assert args.prompt == ["a", "b"] and args.system is None
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args(["--model", "meta-llama/Llama-3.2-1B"])
+    assert info.value.code == 2
+    assert "not a checkpoint directory" in capsys.readouterr().err
+
+
+def test_loaded_weights_are_cast_once_and_shared(checkpoint: dict[str, object]) -> None:
+    """``load_checkpoint`` casts; models built from its weights share them (one copy in memory
+    however many steps ``python -m bench`` builds)."""
+    from step14 import TinyTransformerPaged as First
+    from step14_7 import TinyTransformerPaged as Last
+
+    cfg, weights = load_checkpoint(checkpoint["single"], dtype=torch.float64)
+    assert {t.dtype for t in weights.values()} == {torch.float64}
+    first, last = First(cfg), Last(cfg)
+    first.load_weights(weights)
+    last.load_weights(weights)
+    name = "model.layers.0.mlp.gate_proj.weight"
+    assert first.state_dict()[name].data_ptr() == last.state_dict()[name].data_ptr()
