@@ -70,8 +70,9 @@ class TinyTransformerPaged(CausalLM):
         run once per layer for everyone, and one scatter writes every token's K/V. Only
         attention needs to know where one sequence ends: ``cu_seqlens`` (vLLM's
         ``query_start_loc``) marks the boundaries, and each sequence attends over its own
-        context. Returns ``[num_seqs, vocab]``: only the last token of a chunk is ever sampled,
-        so only those rows go through the final norm and ``lm_head``.
+        context: all one-token chunks (decode rows) together in one padded batch, each longer
+        prefill chunk on its own. Returns ``[num_seqs, vocab]``: only the last token of a chunk
+        is ever sampled, so only those rows go through the final norm and ``lm_head``.
         """
         ids = self.token_tensor([t for chunk in chunks for t in chunk])
         cu_seqlens = [0, *itertools.accumulate(len(chunk) for chunk in chunks)]
@@ -82,19 +83,63 @@ class TinyTransformerPaged(CausalLM):
             positions.append(torch.arange(start, start + len(chunk), device=self.device))
         slot_mapping = torch.cat([s[start:] for s, start in zip(context_slots, start_positions)])
         cos, sin = rope_cos_sin(torch.cat(positions), self.cfg)
+        single = [i for i, chunk in enumerate(chunks) if len(chunk) == 1]
+        single_rows = torch.tensor([cu_seqlens[i] for i in single], device=self.device)
+        padded_slots, key_mask = self._padded_contexts([context_slots[i] for i in single])
+        chunked = [i for i, chunk in enumerate(chunks) if len(chunk) > 1]
         x = self.model.embed_tokens(ids)
         for layer_idx, layer in enumerate(self.model.layers):
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
             self._write_kv(layer_idx, k, v, slot_mapping)  # one scatter for the whole batch
             attn = torch.empty_like(q)
-            for i, (slots, start) in enumerate(zip(context_slots, start_positions)):
+            if single:
+                rows_q = q[single_rows]
+                attn[single_rows] = self._decode_attention(
+                    layer_idx, rows_q, padded_slots, key_mask
+                )
+            for i in chunked:
                 rows = slice(cu_seqlens[i], cu_seqlens[i + 1])  # this sequence's tokens
-                keys, values = self._gather_kv(layer_idx, slots)
-                attn[rows] = self._attention(q[rows], keys, values, start)
+                keys, values = self._gather_kv(layer_idx, context_slots[i])
+                attn[rows] = self._attention(q[rows], keys, values, start_positions[i])
             x = x + layer.self_attn.o_proj(attn.reshape(ids.shape[0], -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         last_rows = torch.tensor(cu_seqlens[1:], device=self.device) - 1
         return self.lm_head(self.model.norm(x[last_rows]))
+
+    def _padded_contexts(
+        self, context_slots: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The contexts of one-token chunks as one ``[B, S_max]`` slot matrix, padded with slot
+        0, and the mask ``[B, 1, 1, S_max]`` that hides the padding (True: a real key)."""
+        lengths = torch.tensor([len(s) for s in context_slots], device=self.device)
+        if not context_slots:
+            return torch.zeros(0, 0, dtype=torch.long, device=self.device), lengths
+        padded = torch.nn.utils.rnn.pad_sequence(context_slots, batch_first=True)
+        key_pos = torch.arange(padded.shape[1], device=self.device)
+        return padded, (key_pos < lengths[:, None])[:, None, None, :]
+
+    def _decode_attention(
+        self, layer_idx: int, q: torch.Tensor, padded_slots: torch.Tensor, key_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of B one-token queries ``[B, H, d_head]``, each over its own context, in
+        one call: no Python loop over sequences.
+
+        A single query is the newest token of its sequence, so it needs no causal mask, only
+        the padding mask. The contexts are gathered through the padded slot matrix (one
+        ``index_select`` for all of them) and handed to ``scaled_dot_product_attention``, the
+        fused kernel PyTorch has for exactly this. Grouped-query heads ride along for free: the
+        ``group`` query heads of a K/V head are that head's "queries" ``[B, KV, group, d]``.
+        """
+        batch, width = padded_slots.shape
+        kv_heads, d_head = self.cfg.num_kv_heads, self.cfg.d_head
+        keys, values = self._gather_kv(layer_idx, padded_slots.flatten())
+        keys = keys.view(batch, width, kv_heads, d_head).transpose(1, 2)  # [B, KV, S, d]
+        values = values.view(batch, width, kv_heads, d_head).transpose(1, 2)
+        q_grouped = q.view(batch, kv_heads, self.cfg.num_queries_per_kv, d_head)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q_grouped, keys, values, attn_mask=key_mask, scale=1.0 / math.sqrt(d_head)
+        )
+        return out.reshape(batch, -1, d_head)  # [B, H, d_head]
 
     def _check_block_table(self, block_table: list[int], context_len: int) -> None:
         if len(block_table) * self.cfg.block_size < context_len:

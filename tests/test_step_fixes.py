@@ -66,16 +66,18 @@ def run_history(model: torch.nn.Module, prompts: list[list[int]], tables: list[l
         model(prompt, table, 0)
 
 
-def test_forward_batched_equals_per_sequence_forward(step: ModuleType) -> None:
-    """A mixed round — prefill chunks of several sizes and decode tokens, over contexts of
-    different lengths and scattered block tables — gives the same last-token logits and the
-    same KV pool as one ``forward`` per sequence."""
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1], ids=["mha", "gqa2", "mqa"])
+def test_forward_batched_equals_per_sequence_forward(step: ModuleType, num_kv_heads: int) -> None:
+    """A mixed round — prefill chunks of several sizes and one-token chunks (decode rows, one
+    padded batch), over contexts of different lengths and scattered block tables — gives the
+    same last-token logits and the same KV pool as one ``forward`` per sequence."""
     if not hasattr(step.TinyTransformerPaged, "forward_batched"):
         pytest.skip("forward_batched arrives in step14_7")
-    cfg = tiny_config()
+    cfg = tiny_config(num_kv_heads=num_kv_heads)
     rng = random.Random(7)
-    histories = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in (0, 5, 8, 13, 0)]
-    chunks = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in (4, 1, 3, 1, 9)]
+    history_lens, chunk_lens = (0, 5, 8, 13, 0, 0, 2), (4, 1, 3, 1, 9, 1, 1)
+    histories = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in history_lens]
+    chunks = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in chunk_lens]
     blocks = list(range(cfg.total_blocks))
     rng.shuffle(blocks)
     tables = [blocks[i * 8 : (i + 1) * 8] for i in range(len(chunks))]
