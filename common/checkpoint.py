@@ -55,7 +55,7 @@ def read_json(path: Path) -> dict[str, Any]:
 
 def checkpoint_dir(path: str | Path) -> Path:
     """``path`` as a checkpoint directory, or a CheckpointError saying what is missing."""
-    folder = Path(path)
+    folder = Path(path).expanduser()
     if not folder.is_dir():
         raise CheckpointError(
             f"{folder} is not a directory; from_pretrained reads a local checkpoint "

@@ -157,7 +157,7 @@ def generate_text(
 
 def model_dir_arg(text: str) -> str:
     """``--model``: a directory holding ``config.json`` (else exit 2 with one error line)."""
-    if not (Path(text) / "config.json").is_file():
+    if not (Path(text).expanduser() / "config.json").is_file():
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a checkpoint directory (no config.json in it); nothing is "
             "downloaded: give a local directory"
