@@ -8,8 +8,7 @@ Our parameter names are HF's, so the very same state dict loads into ``LlamaForC
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -19,14 +18,10 @@ from common.hf import hf_llama
 from .harness import RunResult, Workload
 
 
-def load_hf_llama(cfg: ModelConfig, model_dir: str | Path | None = None):
-    """HF's model with our seeded weights, or with a checkpoint's (read by our loader, so both
-    rows compute with the very same tensors, cast to ``cfg.dtype``)."""
-    if model_dir is None:
-        return hf_llama(cfg)
-    from common.checkpoint import load_checkpoint
-
-    _, weights = load_checkpoint(model_dir)
+def load_hf_llama(cfg: ModelConfig, weights: Mapping[str, torch.Tensor] | None = None):
+    """HF's model with our seeded weights, or with ``weights`` (a checkpoint's, as
+    ``common.checkpoint.load_checkpoint`` returns them: both rows then compute with the very
+    same tensors)."""
     return hf_llama(cfg, weights)
 
 
@@ -34,14 +29,14 @@ def hf_runner(
     cfg: ModelConfig,
     prompts: list[list[int]],
     workload: Workload,
-    model_dir: str | Path | None = None,
+    weights: Mapping[str, torch.Tensor] | None = None,
 ) -> Callable[[], RunResult] | None:
     """A function that runs one batched greedy ``generate``, or None (with the reason printed).
 
-    ``model_dir``: a local checkpoint directory instead of the seeded weights of ``cfg``.
+    ``weights``: a checkpoint's tensors instead of the seeded weights of ``cfg``.
     """
     try:
-        model = load_hf_llama(cfg, model_dir)
+        model = load_hf_llama(cfg, weights)
     except ImportError:
         print("  (Hugging Face row skipped: pip install -e '.[hf]' to add it)")
         return None
