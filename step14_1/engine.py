@@ -35,6 +35,7 @@ class EngineStats:
     blocks_free: int = 0  # in the free pool
     blocks_cached: int = 0  # held by the prefix cache (maybe also by requests)
     blocks_used: int = 0  # held by running requests
+    blocks_peak: int = 0  # the most blocks out of the free pool at once: the KV memory held
 
     @property
     def hit_rate(self) -> float:
@@ -130,10 +131,11 @@ class PagedPrefixCacheEngine:
             blocks_free=bm.num_free,
             blocks_cached=len(cache) if cache is not None else 0,
             blocks_used=bm.total_blocks - bm.num_free - cache_only,
+            blocks_peak=bm.peak_used,
         )
 
     def reset_stats(self) -> None:
-        """Zero the request/token counters (the cache and its eviction count are kept)."""
+        """Zero the request/token counters (the cache, evictions and peak are kept)."""
         self._counters = EngineStats()
 
     def ref_count_problems(self) -> list[str]:

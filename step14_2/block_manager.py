@@ -29,6 +29,7 @@ class BlockManager:
         self.total_blocks = total_blocks
         self._blocks = [Block(i) for i in range(total_blocks)]
         self._free_ids: deque[int] = deque(range(total_blocks))
+        self.peak_used = 0  # the most blocks ever out of the free pool at once: KV memory held
 
     @property
     def num_free(self) -> int:
@@ -48,6 +49,7 @@ class BlockManager:
         ids = [self._free_ids.popleft() for _ in range(n)]
         for block_id in ids:
             self._blocks[block_id].ref_count = 1
+        self.peak_used = max(self.peak_used, self.total_blocks - len(self._free_ids))
         return ids
 
     def free(self, block_ids: list[int]) -> None:

@@ -78,6 +78,17 @@ def test_requests_admitted_together_compute_each_shared_block_once(
     assert stats.computed_prefill_tokens == prefill
     assert stats.cached_tokens == (num_requests - 1) * prefix_blocks * BS
     assert stats.requests_hit == num_requests  # each adopts blocks the others computed
+    own_blocks = -(-(prefix_blocks * BS + tail + max_new - 1) // BS) - prefix_blocks
+    assert stats.blocks_peak == prefix_blocks + num_requests * own_blocks  # the prefix once
+
+
+def test_without_the_cache_every_request_holds_its_own_prefix(make_engine: EngineFactory) -> None:
+    """The control for the memory figure: the same requests with the cache off hold N copies."""
+    prompts = shared_prefix_prompts(3, 5 * BS, 2, CFG.vocab_size, seed=3)
+    engine = make_engine(CFG, max_running=3, enable_prefix_cache=False)
+    assert engine.generate(prompts, 3) == reference_tokens(CFG, prompts, 3)
+    assert engine.stats.blocks_peak == 3 * -(-(5 * BS + 2 + 3 - 1) // BS)
+    assert engine.stats.computed_prefill_tokens == 3 * (5 * BS + 2)
 
 
 def test_leapfrogging_finishes_the_shared_prefill_in_fewer_rounds(
