@@ -334,7 +334,9 @@ class PagedPrefixCacheEngine:
 
 
 def _is_int(x: object) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+    # ``type(x) is int`` answers the usual case at once; the ABC check is ~20x slower, which
+    # shows when every token of every prompt is checked.
+    return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
 
 
 def _as_token_list(prompt_ids: object) -> list[int]:
