@@ -53,13 +53,34 @@ def reference_tokens(
 
 EngineFactory = Callable[..., object]
 
+# More rounds than any test's workload needs, by far: an engine past it is stuck (a request that
+# is never admitted or never finishes), and the test fails instead of hanging.
+MAX_ROUNDS_PER_ENGINE = 5000
+
+
+def guard_against_hangs(engine: object, max_rounds: int = MAX_ROUNDS_PER_ENGINE) -> None:
+    """Make ``engine.step`` (and so ``generate``) fail once the engine has run ``max_rounds``."""
+    real_step, rounds = engine.step, [0]
+
+    def step() -> None:
+        rounds[0] += 1
+        if rounds[0] > max_rounds:
+            raise AssertionError(
+                f"the engine ran {max_rounds} rounds and still has work: a request is stuck "
+                f"(never admitted, or never finishing)"
+            )
+        real_step()
+
+    engine.step = step
+
 
 @pytest.fixture
 def make_engine(step: ModuleType) -> Iterator[EngineFactory]:
     """``make_engine(cfg=None, max_running=4, enable_prefix_cache=True)`` for this test's step.
 
     After the test, every engine it made that is at rest must have no leaked block: each block
-    free (ref_count 0) or held by the cache alone (ref_count 1), free + cached = total.
+    free (ref_count 0) or held by the cache alone (ref_count 1), free + cached = total. An engine
+    that runs far more rounds than any test needs fails the test instead of hanging it.
     """
     engines = []
 
@@ -70,6 +91,7 @@ def make_engine(step: ModuleType) -> Iterator[EngineFactory]:
         engine = step.PagedPrefixCacheEngine(
             model, max_running=max_running, enable_prefix_cache=enable_prefix_cache
         )
+        guard_against_hangs(engine)
         engines.append(engine)
         return engine
 

@@ -313,3 +313,135 @@ def test_prefix_shared_within_one_round(make_engine) -> None:
     assert engine.stats.cached_tokens == len(prompts) * prefix_blocks * BS
     assert engine.stats.requests_hit == len(prompts)
     assert_at_rest(engine)
+
+
+def test_same_block_behind_two_prefixes_is_cached_once_per_chain(make_engine) -> None:
+    """A block's hash names its whole prefix: the same tokens behind two different first blocks
+    are two cache entries, and each chain's next request adopts its own (two blocks each)."""
+    head_a, head_c, middle = tokens(14, BS), tokens(15, BS), tokens(16, BS)
+    engine = make_engine()
+    first = serve_all(engine, [head_a + middle + [1], head_c + middle + [2]])
+    assert [s.cached_tokens for s in first] == [0, 0]
+    assert engine.stats.blocks_cached == 4
+    again = serve_all(engine, [head_c + middle + [3], head_a + middle + [4]])
+    assert [s.cached_tokens for s in again] == [2 * BS, 2 * BS]
+
+
+def test_chain_hash_is_each_block_hashed_with_its_parent() -> None:
+    """h_i = H(h_{i-1}, tokens of block i) from ROOT_HASH; a trailing partial block has none."""
+    ids = tokens(17, 3 * BS - 1)
+    h0 = hashing.hash_block(hashing.ROOT_HASH, ids[:BS])
+    h1 = hashing.hash_block(h0, ids[BS : 2 * BS])
+    assert hashing.hash_prefix_blocks(ids, BS) == [h0, h1]
+    assert hashing.hash_prefix_blocks(ids[: BS - 1], BS) == []
+    assert h1 != hashing.hash_block(hashing.ROOT_HASH, ids[BS : 2 * BS])
+
+
+# ---- PrefixCache on its own -----------------------------------------------------------------
+
+
+def cache_alone(step, total_blocks: int = 8):
+    block_manager = step.BlockManager(total_blocks)
+    return block_manager, step.PrefixCache(block_manager, BS)
+
+
+def cache_chain(block_manager, cache, token_ids: list[int]) -> list[int]:
+    """Cache the full blocks of ``token_ids`` as one chain, the way a request does (allocate,
+    insert each block behind the one before), then let the request go: ref_count 1 each."""
+    hashes = hashing.hash_prefix_blocks(token_ids, BS)
+    ids = block_manager.allocate(len(hashes))
+    parent = None
+    for i, (block_hash, block_id) in enumerate(zip(hashes, ids)):
+        assert cache.insert(block_hash, block_id, token_ids[i * BS : (i + 1) * BS], parent)
+        parent = block_id
+    block_manager.free(ids)
+    return ids
+
+
+def cached(cache, total_blocks: int = 8) -> set[int]:
+    return {b for b in range(total_blocks) if b in cache}
+
+
+def evict_one_by_one(block_manager, cache, n: int) -> list[int]:
+    """Evict ``n`` blocks one call at a time; returns them in eviction order."""
+    order = []
+    for _ in range(n):
+        before, free_before = cached(cache), block_manager.num_free
+        cache.evict(1)
+        (gone,) = before - cached(cache)
+        assert block_manager.ref_count(gone) == 0
+        assert block_manager.num_free == free_before + 1
+        order.append(gone)
+    return order
+
+
+def test_evict_takes_only_leaves_even_when_the_head_is_least_recent(step) -> None:
+    """Leaf-only eviction on its own: a chain touched head first (so its head is the least
+    recently used block) still loses its tail first; a cached block never outlives its parent."""
+    block_manager, cache = cache_alone(step)
+    chain = cache_chain(block_manager, cache, tokens(20, 3 * BS))
+    cache.touch(chain)  # head first: the head is now least recently used
+    assert evict_one_by_one(block_manager, cache, 3) == chain[::-1]
+    assert cache.num_evictions == 3 and len(cache) == 0
+
+
+def test_evict_is_least_recently_used_first_among_leaves(step) -> None:
+    """Two chains; the one touched last survives longest, whatever order they were cached in."""
+    block_manager, cache = cache_alone(step)
+    chain_a = cache_chain(block_manager, cache, tokens(21, 2 * BS))
+    chain_b = cache_chain(block_manager, cache, tokens(22, 2 * BS))
+    cache.touch(chain_a[::-1])  # A used after B
+    assert evict_one_by_one(block_manager, cache, 4) == chain_b[::-1] + chain_a[::-1]
+
+
+def test_evict_skips_blocks_a_request_holds_and_refuses_when_none_is_left(step) -> None:
+    """Only cache-only blocks (ref_count 1) are evictable; asking for more raises, after
+    evicting what it could."""
+    block_manager, cache = cache_alone(step)
+    held = cache_chain(block_manager, cache, tokens(23, BS))
+    loose = cache_chain(block_manager, cache, tokens(24, 2 * BS))
+    block_manager.retain(held[0])  # a request adopts it
+    assert cache.num_evictable == 2
+    cache.touch(held)  # the least recently used block, but a request holds it
+    cache.touch(loose[::-1])
+    assert evict_one_by_one(block_manager, cache, 2) == loose[::-1]
+    assert cache.num_evictable == 0
+    with pytest.raises(RuntimeError):
+        cache.evict(1)
+    assert cached(cache) == set(held) and block_manager.ref_count(held[0]) == 2
+
+
+def test_insert_takes_a_reference_and_the_first_block_under_a_hash_wins(step) -> None:
+    """insert retains the block (the cache is an owner); a second block under a cached hash, a
+    cached block under a second hash, and a block behind an uncached parent are all refused,
+    and a refused insert takes no reference."""
+    block_manager, cache = cache_alone(step)
+    ids = tokens(25, 2 * BS)
+    h0, h1 = hashing.hash_prefix_blocks(ids, BS)
+    a, b, c = block_manager.allocate(3)
+    assert cache.insert(h0, a, ids[:BS], None)
+    assert (block_manager.ref_count(a), len(cache), a in cache) == (2, 1, True)
+    assert not cache.insert(h0, b, ids[:BS], None)  # the hash is taken: b stays private
+    assert not cache.insert(h1, a, ids[BS:], a)  # a is cached already
+    assert not cache.insert(h1, b, ids[BS:], c)  # c, its parent, is not cached
+    assert [block_manager.ref_count(x) for x in (a, b, c)] == [2, 1, 1]
+    assert cached(cache) == {a}
+    assert cache.insert(h1, b, ids[BS:], a)
+    assert cached(cache) == {a, b} and block_manager.ref_count(b) == 2
+
+
+def test_match_verifies_tokens_and_parent(step) -> None:
+    """A hit must carry the caller's tokens and continue the caller's chain: a mismatch in
+    either stops the match there (a colliding hash costs a hit, never correctness)."""
+    block_manager, cache = cache_alone(step)
+    ids = tokens(26, 3 * BS)
+    chain = cache_chain(block_manager, cache, ids)
+    hashes = hashing.hash_prefix_blocks(ids, BS)
+    assert cache.match(hashes, ids) == chain
+    assert cache.match(hashes[1:], ids[BS:], parent_id=chain[0]) == chain[1:]
+    assert cache.match(hashes[1:], ids[BS:], parent_id=None) == []  # not the chain's start
+    assert cache.match(hashes[1:], ids[BS:], parent_id=chain[1]) == []  # wrong parent
+    forged = [*ids[: BS + 1], (ids[BS + 1] + 1) % VOCAB, *ids[BS + 2 :]]
+    assert cache.match(hashes, forged) == chain[:1]  # block 1's tokens differ: stop there
+    assert cache.match([hashes[0] ^ 1, *hashes[1:]], ids) == []  # unknown hash: stop at once
+    assert all(block_manager.ref_count(b) == 1 for b in chain)  # a lookup takes nothing

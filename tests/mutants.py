@@ -1,0 +1,413 @@
+"""Mutation check of the test suite: plant one small bug at a time, run that step's tests.
+
+Every mutant below is a realistic slip (a flipped comparison, an off-by-one, a dropped guard, a
+wrong order, a removed line) in one file of one step. The suite must catch each of them: a
+mutant that survives names a promise no test pins. Nothing here touches the working tree: the
+repository is copied to a temporary directory, and each mutant is planted in that copy and
+undone before the next.
+
+    .venv/bin/python -m tests.mutants                  # every mutant (about half an hour)
+    .venv/bin/python -m tests.mutants --only s14-sched  # ids starting with a prefix
+    .venv/bin/python -m tests.mutants --list            # the mutants, checked against the code
+
+A mutant counts as killed when the step's tests fail (or run past ``--timeout``). "That step's
+tests" are the tests whose ``step`` (or ``step_name``) parameter is the mutated step;
+``tests/test_structure.py`` is left out, since it would flag any edit to a step's files whatever
+the edit does.
+"""
+
+# ruff: noqa: E501  (the mutant table keeps each mutant on a few aligned lines)
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+IGNORED = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", ".ruff_cache")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    step: str
+    file: str
+    old: str  # must occur exactly once in the file
+    new: str
+    what: str
+    more: tuple[tuple[str, str], ...] = ()  # further (old, new) edits of the same file
+
+
+M = Mutant
+# fmt: off
+MUTANTS = [
+    # ---- step14/scheduler.py --------------------------------------------------------------------
+    M("s14-sched-max-running", "step14", "scheduler.py",
+      "len(self.running) < self.max_running", "len(self.running) <= self.max_running",
+      "admits one sequence more than max_running"),
+    M("s14-sched-keep-finished", "step14", "scheduler.py",
+      "        self.running = [s for s in self.running if s.status is not SequenceStatus.FINISHED]\n",
+      "", "finished sequences keep their place in the running set"),
+    M("s14-sched-max-new", "step14", "scheduler.py",
+      "len(self.generated_ids) >= self.max_new_tokens", "len(self.generated_ids) > self.max_new_tokens",
+      "one token more than max_new_tokens"),
+    M("s14-sched-no-eos", "step14", "scheduler.py",
+      " or token_id == self.eos_token_id", "", "eos ignored"),
+    M("s14-sched-prefill-done", "step14", "scheduler.py",
+      "self.prefill_offset >= self.prompt_len", "self.prefill_offset > self.prompt_len",
+      "prefill done one token late"),
+    M("s14-sched-has-work", "step14", "scheduler.py",
+      "return bool(self.waiting) or any(", "return bool(self.waiting) and any(",
+      "has_work false while requests run"),
+    # ---- step14/block_manager.py ----------------------------------------------------------------
+    M("s14-bm-allocate-bound", "step14", "block_manager.py",
+      "if n > len(self._free_ids):", "if n >= len(self._free_ids):",
+      "allocating the whole free pool is refused"),
+    M("s14-bm-negative-n", "step14", "block_manager.py",
+      "        if n < 0:\n            raise ValueError(f\"cannot allocate {n} blocks\")\n", "",
+      "allocate(-1) silently returns nothing"),
+    M("s14-bm-free-precheck", "step14", "block_manager.py",
+      "if self._block(block_id).ref_count < n:", "if self._block(block_id).ref_count < 1:",
+      "free() checks each id once, not how often it is named"),
+    M("s14-bm-retain-free", "step14", "block_manager.py",
+      "        if block.ref_count == 0:\n            raise ValueError(f\"cannot retain",
+      "        if block.ref_count < 0:\n            raise ValueError(f\"cannot retain",
+      "retaining a free block is allowed"),
+    M("s14-bm-range", "step14", "block_manager.py",
+      "if not 0 <= block_id < self.total_blocks:", "if not block_id < self.total_blocks:",
+      "block id -1 means the last block"),
+    M("s14-bm-free-stays", "step14", "block_manager.py",
+      "            if block.ref_count == 0:\n                self._free_ids.append(block_id)\n",
+      "            if block.ref_count == 0 and block_id:\n                self._free_ids.append(block_id)\n",
+      "block 0 never returns to the free pool"),
+    # ---- step14/prefix_cache.py -----------------------------------------------------------------
+    M("s14-pc-evict-any", "step14", "prefix_cache.py",
+      "if e.num_children == 0 and self.block_manager.ref_count(b) == 1",
+      "if self.block_manager.ref_count(b) == 1",
+      "eviction may take a block whose cached children stay (not leaf-only)"),
+    M("s14-pc-evict-in-use", "step14", "prefix_cache.py",
+      "if e.num_children == 0 and self.block_manager.ref_count(b) == 1",
+      "if e.num_children == 0 and self.block_manager.ref_count(b) >= 1",
+      "eviction takes blocks that requests still hold"),
+    M("s14-pc-evictable", "step14", "prefix_cache.py",
+      "return sum(1 for b in self._lru if self.block_manager.ref_count(b) == 1)",
+      "return sum(1 for b in self._lru if self.block_manager.ref_count(b) >= 1)",
+      "blocks held by requests counted as evictable"),
+    M("s14-pc-match-parent", "step14", "prefix_cache.py",
+      " or entry.parent_id != parent", "", "hits not verified against their parent"),
+    M("s14-pc-match-tokens", "step14", "prefix_cache.py",
+      " or entry.token_ids != tokens", "", "hits not verified against their tokens"),
+    M("s14-pc-touch-order", "step14", "prefix_cache.py",
+      "self._lru.move_to_end(block_id)", "self._lru.move_to_end(block_id, last=False)",
+      "touch makes blocks least recently used"),
+    M("s14-pc-count-evictions", "step14", "prefix_cache.py",
+      "            self.num_evictions += 1\n", "", "evictions not counted"),
+    M("s14-pc-children", "step14", "prefix_cache.py",
+      "            self._lru[entry.parent_id].num_children -= 1\n", "            pass\n",
+      "a parent never becomes a leaf again"),
+    M("s14-pc-last-wins", "step14", "prefix_cache.py",
+      "if block_hash in self._by_hash or block_id in self._lru:", "if block_id in self._lru:",
+      "a second block under a cached hash replaces the first"),
+    M("s14-pc-evict-newest", "step14", "prefix_cache.py",
+      "for b, e in self._lru.items()", "for b, e in reversed(self._lru.items())",
+      "most recently used evicted first"),
+    # ---- step14/engine.py -----------------------------------------------------------------------
+    M("s14-eng-touch-head-first", "step14", "engine.py",
+      "self.prefix_cache.touch(seq.block_table[::-1])", "self.prefix_cache.touch(seq.block_table)",
+      "a finished request's blocks touched head first"),
+    M("s14-eng-eos-first-token", "step14", "engine.py",
+      "            seq.status = SequenceStatus.RUNNING\n            seq.append_token(int(logits[-1].argmax()))\n",
+      "            seq.append_token(int(logits[-1].argmax()))\n            seq.status = SequenceStatus.RUNNING\n",
+      "an eos as the first token is overwritten by RUNNING"),
+    M("s14-eng-lookup-last", "step14", "engine.py",
+      "last = (seq.prompt_len - 1) // self.block_size", "last = seq.prompt_len // self.block_size",
+      "a full-prompt hit takes the block of the last prompt token"),
+    M("s14-eng-hit-counted-twice", "step14", "engine.py",
+      "if hits and not seq.hit_block_ids:", "if hits:",
+      "a request that adopts twice counts as two hits"),
+    M("s14-eng-adopt-reservation", "step14", "engine.py",
+      "        self._reserved -= len(hits)  # reserved for blocks that now need no allocation\n",
+      "", "adopted blocks stay reserved"),
+    M("s14-eng-free-reservation", "step14", "engine.py",
+      "self._reserved -= need - len(seq.block_table)", "self._reserved -= 0",
+      "an early eos keeps its unused reservation"),
+    M("s14-eng-admit-bound", "step14", "engine.py",
+      "if need > self._available_blocks():", "if need >= self._available_blocks():",
+      "a request that exactly fits waits"),
+    M("s14-eng-no-reserve", "step14", "engine.py",
+      "        self._reserved += need\n", "", "admission reserves nothing"),
+    M("s14-eng-need-plus-one", "step14", "engine.py",
+      "-(-(prompt_len + max_new_tokens - 1) // self.block_size)",
+      "-(-(prompt_len + max_new_tokens) // self.block_size)",
+      "the need counts a slot for the last generated token"),
+    M("s14-eng-need-minus-two", "step14", "engine.py",
+      "-(-(prompt_len + max_new_tokens - 1) // self.block_size)",
+      "-(-(prompt_len + max_new_tokens - 2) // self.block_size)",
+      "the need is one token short"),
+    M("s14-eng-evict-all", "step14", "engine.py",
+      "self.prefix_cache.evict(shortfall)", "self.prefix_cache.evict(n)",
+      "evicts n blocks, not only the shortfall"),
+    M("s14-eng-slots-reservation", "step14", "engine.py",
+      "            self._reserved -= missing\n", "", "allocated blocks stay reserved"),
+    M("s14-eng-no-parent", "step14", "engine.py",
+      "parent_id = seq.block_table[block_idx - 1] if block_idx else None", "parent_id = None",
+      "blocks cached without their parent"),
+    M("s14-eng-partial-block", "step14", "engine.py",
+      "if self.prefix_cache is None or num_tokens % self.block_size:",
+      "if self.prefix_cache is None:", "a partial block is offered to the cache"),
+    M("s14-eng-no-output-blocks", "step14", "engine.py",
+      "        self._cache_full_block(seq, position + 1)  # output blocks are cached too\n", "",
+      "output blocks are not cached"),
+    M("s14-eng-output-block-late", "step14", "engine.py",
+      "self._cache_full_block(seq, position + 1)  # output blocks are cached too",
+      "self._cache_full_block(seq, position)  # output blocks are cached too",
+      "an output block is cached one token late"),
+    M("s14-eng-start-after-adopt", "step14", "engine.py",
+      "        if seq.prefill_offset == 0:\n            self._start_sequence(seq)\n        self._adopt_cached_blocks(seq)\n",
+      "        self._adopt_cached_blocks(seq)\n        if seq.prefill_offset == 0:\n            self._start_sequence(seq)\n",
+      "a request that hits at once is never counted"),
+    M("s14-eng-blocks-used", "step14", "engine.py",
+      "blocks_used=bm.total_blocks - bm.num_free - cache_only,",
+      "blocks_used=bm.total_blocks - bm.num_free - (len(cache) if cache is not None else 0),",
+      "cached blocks that requests hold are not counted as used"),
+    M("s14-eng-token-hit-rate", "step14", "engine.py",
+      "return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0",
+      "return self.cached_tokens / self.computed_tokens if self.computed_tokens else 0.0",
+      "token hit rate over computed tokens"),
+    M("s14-eng-hit-rate", "step14", "engine.py",
+      "return self.requests_hit / self.requests if self.requests else 0.0",
+      "return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0",
+      "hit rate counts tokens, not requests"),
+    M("s14-eng-reset-cache", "step14", "engine.py",
+      "        self._counters = EngineStats()\n\n    def ref_count_problems",
+      "        self._counters = EngineStats()\n        if self.prefix_cache is not None:\n"
+      "            self.prefix_cache.evict(self.prefix_cache.num_evictable)\n\n    def ref_count_problems",
+      "reset_stats empties the cache"),
+    M("s14-eng-pop-twice", "step14", "engine.py",
+      "return self._outputs.pop(request_id)", "return self._outputs[request_id]",
+      "an output can be taken twice"),
+    M("s14-eng-serial-validate", "step14", "engine.py",
+      "        for prompt in prompts:\n            self._validate(prompt, max_new_tokens, eos_token_id)\n        return [",
+      "        return [", "generate_serial serves good prompts before a bad one"),
+    M("s14-eng-validate-pool", "step14", "engine.py",
+      "if need > self.block_manager.total_blocks:", "if need >= self.block_manager.total_blocks:",
+      "a request that needs the whole pool is refused"),
+    M("s14-eng-hits-leak", "step14", "engine.py",
+      "            self.block_manager._blocks[block_id].ref_count -= 1\n", "            pass\n",
+      "adopted blocks keep the finished request's reference"),
+    M("s14-eng-eos-range", "step14", "engine.py",
+      "0 <= eos_token_id < vocab)", "0 < eos_token_id < vocab)", "eos id 0 refused"),
+    M("s14-eng-first-logits", "step14", "engine.py",
+      "RUNNING\n            seq.append_token(int(logits[-1].argmax()))",
+      "RUNNING\n            seq.append_token(int(logits[0].argmax()))",
+      "first token from the chunk's first position"),
+    # ---- step14/model.py ------------------------------------------------------------------------
+    M("s14-model-mask", "step14", "model.py",
+      "mask[i, : start_pos + i + 1] = 0.0", "mask[i, : start_pos + i] = 0.0",
+      "a query cannot see itself"),
+    M("s14-model-gather-partial", "step14", "model.py",
+      "used = min(block_size, context_len - j * block_size)", "used = block_size",
+      "the last block's unused slots are attended"),
+    M("s14-model-write-pos", "step14", "model.py",
+      "pos = start_pos + i\n", "pos = i\n", "K/V written at chunk-relative positions"),
+    M("s14-model-rope-pos", "step14", "model.py",
+      "positions = torch.arange(start_pos, context_len, device=ids.device)",
+      "positions = torch.arange(0, ids.shape[0], device=ids.device)",
+      "rotary positions restart at every chunk"),
+    M("s14-model-table-check", "step14", "model.py",
+      "if len(block_table) * self.cfg.block_size < context_len:",
+      "if len(block_table) * self.cfg.block_size <= context_len:",
+      "a block table that exactly fits is refused"),
+    # ---- step14_1 .. step14_4: the model's fixes ------------------------------------------------
+    M("s14_1-slot-offset", "step14_1", "model.py",
+      "return table[positions // block_size] * block_size + positions % block_size",
+      "return table[positions // block_size] * block_size + positions // block_size",
+      "slot offset from the block index"),
+    M("s14_2-context-slots", "step14_2", "model.py",
+      "context_slots = self._slot_mapping(block_table, 0, context_len)",
+      "context_slots = self._slot_mapping(block_table, start_pos, context_len - start_pos)",
+      "the gather reads only the chunk's own slots"),
+    M("s14_3-gqa-group", "step14_3", "model.py",
+      "q_h = q.transpose(0, 1).unflatten(0, (-1, group))",
+      "q_h = q.transpose(0, 1).unflatten(0, (group, -1)).transpose(0, 1)",
+      "query heads grouped round-robin instead of consecutively"),
+    M("s14_4-mask-diagonal", "step14_4", "model.py",
+      "key_pos > query_pos", "key_pos >= query_pos", "the mask hides the diagonal"),
+    M("s14_4-no-mask-for-two", "step14_4", "model.py",
+      "if num_queries == 1:", "if num_queries <= 2:", "no mask for a two-token chunk"),
+    # ---- step14_5: the hash chain on Sequence ---------------------------------------------------
+    M("s14_5-unchained", "step14_5", "scheduler.py",
+      "parent = self.block_hashes[-1] if self.block_hashes else hashing.ROOT_HASH",
+      "parent = hashing.ROOT_HASH", "block hashes not chained"),
+    M("s14_5-prompt-only", "step14_5", "scheduler.py",
+      "        token_ids = self.token_ids\n", "        token_ids = self.prompt_ids\n",
+      "output blocks hashed from the prompt alone"),
+    M("s14_5-lookup-short", "step14_5", "engine.py",
+      "seq.extend_block_hashes(last, self.block_size)",
+      "seq.extend_block_hashes(last - 1, self.block_size)",
+      "lookup hashes one block too few"),
+    M("s14_5-cache-last-hash", "step14_5", "engine.py",
+      "block_hash = seq.block_hashes[block_idx]", "block_hash = seq.block_hashes[-1]",
+      "a block cached under the newest hash computed"),
+    # ---- step14_6: BlockManager.release ---------------------------------------------------------
+    M("s14_6-release-free", "step14_6", "block_manager.py",
+      "            raise ValueError(f\"cannot release block {block_id}: it is already free\")\n",
+      "            return\n", "releasing a free block is silently ignored"),
+    M("s14_6-release-no-pool", "step14_6", "block_manager.py",
+      "        block.ref_count -= 1\n        if block.ref_count == 0:\n            self._free_ids.append(block_id)\n\n    def _block",
+      "        block.ref_count -= 1\n\n    def _block",
+      "a released block never returns to the pool"),
+    M("s14_6-free-no-precheck", "step14_6", "block_manager.py",
+      "if self._block(block_id).ref_count < n:", "if self._block(block_id).ref_count < 0:",
+      "free() half-applies a bad call"),
+    M("s14_6-double-release", "step14_6", "engine.py",
+      "self.block_manager.free([b for b in seq.block_table if b not in hits])",
+      "self.block_manager.free(seq.block_table)",
+      "adopted blocks released twice"),
+    # ---- step14_7: forward_batched and scheduling-time registration -----------------------------
+    M("s14_7-last-rows", "step14_7", "model.py",
+      "last_rows = torch.tensor(cu_seqlens[1:], device=self.device) - 1",
+      "last_rows = torch.tensor(cu_seqlens[:-1], device=self.device)",
+      "each chunk's first row sampled"),
+    M("s14_7-write-per-seq", "step14_7", "model.py",
+      "            self._write_kv(layer_idx, k, v, slot_mapping)  # one scatter for the whole batch\n",
+      "            if single:\n"
+      "                self._write_kv(layer_idx, k[single_rows], v[single_rows], slot_mapping[single_rows])\n",
+      "each sequence's K/V written just before its own attention, not all before any",
+      more=(("                rows = slice(cu_seqlens[i], cu_seqlens[i + 1])  # this sequence's tokens\n",
+             "                rows = slice(cu_seqlens[i], cu_seqlens[i + 1])  # this sequence's tokens\n"
+             "                self._write_kv(layer_idx, k[rows], v[rows], slot_mapping[rows])\n"),)),
+    M("s14_7-rope-positions", "step14_7", "model.py",
+      "positions.append(torch.arange(start, start + len(chunk), device=self.device))",
+      "positions.append(torch.arange(0, len(chunk), device=self.device))",
+      "batched rotary positions restart per chunk"),
+    M("s14_7-register-late", "step14_7", "engine.py",
+      "        self._cache_full_block(seq, start + len(chunk))\n        self._counters.computed_prefill_tokens",
+      "        self._counters.computed_prefill_tokens",
+      "prompt blocks never registered"),
+    M("s14_7-decode-register", "step14_7", "engine.py",
+      "self._cache_full_block(seq, position + 1)  # registered before it is written, as above",
+      "self._cache_full_block(seq, position)  # registered before it is written, as above",
+      "an output block registered one token late"),
+    M("s14_7-offset-overshoot", "step14_7", "engine.py",
+      "seq.prefill_offset = min(seq.prefill_offset + self.block_size, seq.prompt_len)",
+      "seq.prefill_offset = seq.prefill_offset + self.block_size",
+      "prefill_offset runs past the prompt"),
+    M("s14_7-empty-round", "step14_7", "engine.py",
+      "        if not scheduled:\n            return\n", "", "a round with nothing to run crashes"),
+    M("s14_7-decode-first", "step14_7", "engine.py",
+      "        work = [self._schedule_prefill_chunk(seq) for seq in prefill_seqs]\n"
+      "        work += [self._schedule_decode_token(seq) for seq in decode_seqs]\n",
+      "        work = [self._schedule_decode_token(seq) for seq in decode_seqs]\n"
+      "        work = [self._schedule_prefill_chunk(seq) for seq in prefill_seqs] + work\n",
+      "decode tokens scheduled (and their blocks registered) before prefill chunks"),
+    M("s14_7-touch-head-first", "step14_7", "engine.py",
+      "self.prefix_cache.touch(seq.block_table[::-1])", "self.prefix_cache.touch(seq.block_table)",
+      "a finished request's blocks touched head first"),
+]
+# fmt: on
+
+
+def selected_tests(root: Path, step: str) -> list[str]:
+    """Node ids of the tests that run ``step`` (its ``step`` / ``step_name`` parameter)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    mine = re.compile(rf"\[{re.escape(step)}[-\]]")
+    return [
+        line
+        for line in out.splitlines()
+        if "::" in line and mine.search(line) and not line.startswith("tests/test_structure.py")
+    ]
+
+
+def baseline_failures(root: Path, tests: list[str], timeout: int) -> list[str]:
+    """The tests among ``tests`` that fail with no mutant planted."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=timeout * 4,
+    )
+    return re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.MULTILINE)
+
+
+def plant(root: Path, mutant: Mutant) -> str:
+    """Apply ``mutant`` in ``root``; returns the original text of the file."""
+    path = root / mutant.step / mutant.file
+    original = text = path.read_text()
+    for old, new in ((mutant.old, mutant.new), *mutant.more):
+        if text.count(old) != 1:
+            raise LookupError(f"{mutant.id}: expected text found {text.count(old)} times")
+        text = text.replace(old, new)
+    path.write_text(text)
+    return original
+
+
+def run_tests(root: Path, tests: list[str], timeout: int) -> tuple[str, float, str]:
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return "killed (timeout)", time.monotonic() - start, ""
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.MULTILINE)
+    verdict = "survived" if proc.returncode == 0 else "killed"
+    return verdict, time.monotonic() - start, failed[0] if failed else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default="", help="run the mutants whose id starts with this")
+    p.add_argument("--timeout", type=int, default=300, help="seconds per mutant")
+    p.add_argument("--list", action="store_true", help="list the mutants and check each applies")
+    args = p.parse_args(argv)
+    mutants = [m for m in MUTANTS if m.id.startswith(args.only)]
+    assert len({m.id for m in MUTANTS}) == len(MUTANTS), "mutant ids must be unique"
+    with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
+        root = Path(tmp) / "repo"
+        shutil.copytree(REPO, root, ignore=IGNORED)
+        if args.list:
+            for m in mutants:
+                original = plant(root, m)
+                (root / m.step / m.file).write_text(original)
+                print(f"{m.id:28} {m.step}/{m.file:16} {m.what}")
+            return 0
+        tests_of: dict[str, list[str]] = {}
+        killed = 0
+        for m in mutants:
+            if m.step not in tests_of:
+                tests_of[m.step] = selected_tests(root, m.step)
+                broken = baseline_failures(root, tests_of[m.step], args.timeout)
+                if broken:  # e.g. someone's work in progress: leave those tests out
+                    print(f"{m.step}: left out, failing without any mutant: {broken}")
+                    tests_of[m.step] = [t for t in tests_of[m.step] if t not in broken]
+            original = plant(root, m)
+            try:
+                verdict, secs, first = run_tests(root, tests_of[m.step], args.timeout)
+            finally:
+                (root / m.step / m.file).write_text(original)
+            killed += verdict.startswith("killed")
+            print(f"{m.id:28} {verdict:17} {secs:5.0f}s  {first or m.what}", flush=True)
+        print(f"killed {killed} of {len(mutants)}")
+        return 0 if killed == len(mutants) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
