@@ -106,6 +106,30 @@ def mark(ok: bool) -> str:
     return "✅" if ok else "❌"
 
 
+# Token-for-token equality is a promise in these dtypes (the weights are drawn so that top-1 and
+# top-2 logits are far apart compared with float32 rounding).
+EXACT_DTYPES = (torch.float32, torch.float64)
+WARNING = "⚠️"
+
+REDUCED_PRECISION_NOTE = """\
+In {dtype}, the same sums done in another order (a whole prompt or block by block, one sequence
+or a batch) round differently and can flip a near-tie between two tokens, after which the outputs
+diverge: the token checks marked ⚠️ count matches instead of requiring them. Exact parity is what
+float32 and float64 check."""
+
+
+def token_check(
+    text: str, got: list[list[int]], want: list[list[int]], exact: bool
+) -> tuple[bool, str]:
+    """``(passed, line)``: ``got`` must equal ``want`` request by request; in a reduced precision
+    (``exact=False``) a mismatch is reported as a count and does not fail the demo."""
+    same = sum(a == b for a, b in zip(got, want, strict=True))
+    ok = same == len(want)
+    if ok or exact:
+        return ok, f"{text} {mark(ok)}"
+    return True, f"{text}: {same}/{len(want)} requests {WARNING}"
+
+
 def timed_round(
     label: str, engine: PagedPrefixCacheEngine, run: Generate, prompts: list[list[int]], n: int
 ) -> tuple[list[list[int]], EngineStats]:
@@ -198,24 +222,29 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(what_the_numbers_mean(cold_stats, hot_stats, off_stats))
 
+    exact = cfg.dtype in EXACT_DTYPES
     checks = [
-        (
-            cold == hot == off,
+        token_check(
             "Cold, hot and cache-off outputs identical (the cache only saves work)",
+            hot + off,
+            cold + cold,
+            exact,
         ),
         (
             not problems,
             f"Every block's ref_count sane (free {s.blocks_free} + cached "
-            f"{s.blocks_cached} = total {cfg.total_blocks})",
+            f"{s.blocks_cached} = total {cfg.total_blocks}) {mark(not problems)}",
         ),
-        (batched == cold, "Batched outputs identical to the serial ones"),
-        (cold == reference, "Outputs identical to the dense reference model"),
+        token_check("Batched outputs identical to the serial ones", batched, cold, exact),
+        token_check("Outputs identical to the dense reference model", cold, reference, exact),
     ]
     print()
-    for ok, text in checks:
-        print(f"{text} {mark(ok)}")
+    for _, line in checks:
+        print(line)
     for line in problems[:10]:
         print("   ", line)
+    if any(line.endswith(WARNING) for _, line in checks):
+        print(REDUCED_PRECISION_NOTE.format(dtype=dtype))
     return 0 if all(ok for ok, _ in checks) else 1
 
 

@@ -63,3 +63,22 @@ def test_demo_without_decode_says_only_what_prefill_saved(capsys) -> None:
     out = demo_output(STEP_NAMES[-1], capsys, new_tokens=1)
     assert "1 new token each" in out
     assert "What the numbers mean" in out and "Decode is" not in out
+
+
+def test_token_check_requires_identity_in_float32_and_counts_in_half() -> None:
+    run = importlib.import_module(f"{STEP_NAMES[0]}.run")
+    same, differ = [[1, 2], [3, 4]], [[1, 2], [3, 5]]
+    assert run.token_check("Same", same, same, exact=True) == (True, "Same ✅")
+    assert run.token_check("Same", same, same, exact=False) == (True, "Same ✅")
+    assert run.token_check("Same", differ, same, exact=True) == (False, "Same ❌")
+    assert run.token_check("Same", differ, same, exact=False) == (True, "Same: 1/2 requests ⚠️")
+
+
+def test_demo_in_float16_reports_mismatches_and_says_why(capsys) -> None:
+    """float16 rounding may flip a near-tie (chunked vs whole prompt): the demo counts such
+    mismatches and explains them instead of failing; ref counts are still required."""
+    run = importlib.import_module(f"{STEP_NAMES[-1]}.run")
+    assert run.main(["--dtype", "float16", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "❌" not in out and "Every block's ref_count sane" in out
+    assert ("⚠️" in out) == ("In float16, the same sums done in another order" in out)
