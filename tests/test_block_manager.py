@@ -257,3 +257,50 @@ def test_block_manager_state_machine(step: ModuleType) -> None:
         block_manager_machine(step),
         settings=settings(max_examples=50, stateful_step_count=40, deadline=None),
     )
+
+
+def test_allocate_a_negative_count_raises_and_changes_nothing(step: ModuleType) -> None:
+    """allocate(-1) is a caller's bug, not a request for nothing."""
+    bm = step.BlockManager(TOTAL)
+    bm.allocate(2)
+    assert_raises_unchanged(bm, ValueError, lambda: bm.allocate(-1))
+
+
+@pytest.mark.parametrize("total", [0, -3])
+def test_a_pool_needs_at_least_one_block(step: ModuleType, total: int) -> None:
+    with pytest.raises(ValueError, match="total_blocks"):
+        step.BlockManager(total)
+
+
+def test_no_free_blocks_error_says_how_many_are_free(step: ModuleType) -> None:
+    """The refusal names what was asked and what is left, and is a RuntimeError."""
+    bm = step.BlockManager(TOTAL)
+    bm.allocate(TOTAL - 1)
+    with pytest.raises(step.NoFreeBlocksError, match=rf"asked for 2 blocks, only 1 of {TOTAL}"):
+        bm.allocate(2)
+    assert issubclass(step.NoFreeBlocksError, RuntimeError)
+    assert len(bm.allocate(1)) == 1  # the last block was not lost
+
+
+def test_every_block_can_be_allocated_and_freed_in_any_order(step: ModuleType) -> None:
+    """All TOTAL blocks come out, each once, and go back whatever order they are freed in."""
+    bm = step.BlockManager(TOTAL)
+    ids = bm.allocate(TOTAL)
+    assert sorted(ids) == list(range(TOTAL)) and bm.num_free == 0
+    for block_id in ids[::-1][:2] + ids[:-2]:
+        bm.free([block_id])
+    assert bm.num_free == TOTAL
+    assert sorted(bm.allocate(TOTAL)) == list(range(TOTAL))
+
+
+def test_peak_used_is_the_high_water_mark(step: ModuleType) -> None:
+    """peak_used: the most blocks ever out of the free pool at once; freeing never lowers it."""
+    bm = step.BlockManager(TOTAL)
+    assert bm.peak_used == 0
+    first = bm.allocate(3)
+    bm.free(first[:2])
+    assert bm.peak_used == 3
+    bm.allocate(1)
+    assert bm.peak_used == 3
+    bm.allocate(3)
+    assert bm.peak_used == 5
