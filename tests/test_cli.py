@@ -270,3 +270,9 @@ def test_python_m_bench_exits_2_with_one_line() -> None:
         "python -m bench: error: argument --requests: must be >= 1, got -3"
     )
     assert "NumPy" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_numpy_is_a_dependency() -> None:
+    """Without numpy, torch prints "Failed to initialize NumPy" on every command."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^dependencies = \[[^\]]*"numpy', pyproject, re.MULTILINE)
