@@ -445,3 +445,16 @@ def test_match_verifies_tokens_and_parent(step) -> None:
     assert cache.match(hashes, forged) == chain[:1]  # block 1's tokens differ: stop there
     assert cache.match([hashes[0] ^ 1, *hashes[1:]], ids) == []  # unknown hash: stop at once
     assert all(block_manager.ref_count(b) == 1 for b in chain)  # a lookup takes nothing
+
+
+def test_a_hit_must_continue_the_callers_chain(
+    make_engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hash that forgets the parent (a collision of the worst kind) names block M the same
+    behind A and behind C. A lookup for C+M finds the entry for M cached behind A, with the
+    right tokens: only the parent check stops it from splicing A's KV behind C."""
+    monkeypatch.setattr(hashing, "hash_block", lambda parent, token_ids: hash(tuple(token_ids)))
+    head_a, head_c, middle = tokens(27, BS), tokens(28, BS), tokens(29, BS)
+    engine = make_engine()
+    served = serve_all(engine, [head_a + middle + [1], [*head_c, 2], head_c + middle + [3]])
+    assert [s.cached_tokens for s in served] == [0, 0, BS]  # C hits, M behind C does not
