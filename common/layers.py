@@ -39,14 +39,14 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
     """Rotation speed of each dimension pair: ``1 / theta^(2i / d_head)``, then scaled.
 
     Pair ``i`` of every head turns by ``inv_freq[i]`` radians per position; the first pairs
     turn fast (fine position), the last ones slowly (coarse position).
     """
     cdt = compute_dtype(cfg.dtype)
-    exponents = torch.arange(0, cfg.d_head, 2, dtype=cdt) / cfg.d_head
+    exponents = torch.arange(0, cfg.d_head, 2, dtype=cdt, device=device) / cfg.d_head
     inv_freq = 1.0 / (cfg.rope_theta**exponents)
     if cfg.rope_scaling is not None:
         inv_freq = llama3_scaled_inv_freq(inv_freq, cfg.rope_scaling)
@@ -81,7 +81,7 @@ def rope_cos_sin(positions: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tenso
     Positions are absolute (``start_pos + i``): a chunk prefilled at offset 32 must rotate its
     keys exactly as a full-prompt forward would, or cached KV would not match recomputed KV.
     """
-    inv_freq = rope_inv_freq(cfg).to(positions.device)
+    inv_freq = rope_inv_freq(cfg, positions.device)
     freqs = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos().to(cfg.dtype), angles.sin().to(cfg.dtype)
