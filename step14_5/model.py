@@ -109,7 +109,7 @@ class TinyTransformerPaged(CausalLM):
 
         Heads are independent, so they become batch dimensions of one batched matmul. Query
         heads are grouped by the K/V head they read (head ``h`` is member ``h % group`` of group
-        ``h // group``), and each K/V head is broadcast over its group without a copy:
+        ``h // group``), and each K/V head is broadcast over its group:
         ``[KV, group, T, d_head] @ [KV, 1, d_head, S] -> [KV, group, T, S]`` scores,
         ``[KV, group, T, S] @ [KV, 1, S, d_head]`` outputs. Each head's numbers are the ones the
         per-head loop computed.
