@@ -67,9 +67,8 @@ def hf_llama(
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    hf_cfg = LlamaConfig(**hf_config_dict(cfg))
-    if attn is not None:
-        hf_cfg._attn_implementation = attn
+    extra = {} if attn is None else {"attn_implementation": attn}
+    hf_cfg = LlamaConfig(**hf_config_dict(cfg), **extra)
     model = LlamaForCausalLM(hf_cfg)
     state = dict(make_state_dict(cfg) if weights is None else weights)
     if cfg.tie_word_embeddings:  # HF ties lm_head to the embedding itself
