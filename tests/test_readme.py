@@ -8,11 +8,13 @@ against the rules it states (the venv activated once, then ``python -m ...`` eve
 from __future__ import annotations
 
 import re
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
 from bench import showcase
+from common.steps import available_steps, load_step
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 TEXT = README.read_text()
@@ -66,3 +68,14 @@ def test_bench_flags_in_the_readme_exist(capsys: pytest.CaptureFixture) -> None:
         showcase.parse_args(["--help"])
     known = set(re.findall(r"--[a-z-]+", capsys.readouterr().out))
     assert shown <= known, shown - known
+
+
+def test_every_engine_stats_field_is_documented() -> None:
+    """The README's EngineStats table names every field and property, so a new counter cannot
+    land undocumented."""
+    stats = load_step(available_steps()[-1]).EngineStats
+    names = [f.name for f in fields(stats)]
+    names += [name for name, value in vars(stats).items() if isinstance(value, property)]
+    assert {"computed_prefill_tokens", "computed_tokens", "hit_rate"} <= set(names)
+    for name in names:
+        assert f"| `{name}` |" in TEXT, f"EngineStats.{name} is not in the README's table"
