@@ -187,3 +187,16 @@ def test_eos_at_the_vocabulary_edge_is_accepted(make_engine: EngineFactory) -> N
     for eos in (0, VOCAB - 1):
         outputs = engine.generate([GOOD], MAX_NEW, eos_token_id=eos)
         assert outputs == reference_tokens(CFG, [GOOD], MAX_NEW, eos)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [BadRequest(GOOD, max_new_tokens=True), BadRequest(GOOD, eos_token_id=False)],
+    ids=["max-new-bool", "eos-bool"],
+)
+def test_a_bool_is_not_an_integer_anywhere(make_engine: EngineFactory, bad: BadRequest) -> None:
+    """True and False are ints to Python, but not a token count or a token id."""
+    engine = make_engine(CFG)
+    with pytest.raises(ValueError):
+        submit_add_request(engine, bad)
+    assert not engine.has_work

@@ -146,6 +146,9 @@ def test_engine_admission_is_exact_and_first_come_first_served(make_engine: Engi
     log = log_schedules(engine)
     prompts = [tokens(200 + i, n) for i, (n, _) in enumerate(sizes)]
     ids = [engine.add_request(p, m) for p, (_, m) in zip(prompts, sizes)]
+    engine.step()
+    # a request counts from its first prefill chunk: the two still queued do not, yet
+    assert (engine.stats.requests, engine.stats.prompt_tokens) == (2, 9 + 5)
     run_rounds(engine)
     assert log[0] == ([ids[0], ids[1]], [])
     life_b = life_in_rounds(5, 5)  # B finishes first: 2 + 4 = 6 rounds
