@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -64,10 +64,10 @@ class ModelConfig:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     seed: int | None = 0
-    # Which of _DERIVED were left to their default (so that replace() derives them again).
-    _derived: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        # Which of _DERIVED were left to their default, so that replace() derives them again.
+        # A plain attribute, not a field: not part of the config's value (==, hash, asdict).
         derived = frozenset(name for name in _DERIVED if getattr(self, name) is None)
         object.__setattr__(self, "_derived", derived)
         if self.num_kv_heads is None:
