@@ -159,6 +159,27 @@ def test_engine_admission_is_exact_and_first_come_first_served(make_engine: Engi
         assert engine.pop_output(rid) == reference_tokens(cfg, [prompt], m)[0]
 
 
+def test_a_round_runs_prefill_chunks_before_decode_tokens(make_engine: EngineFactory) -> None:
+    """Within a round every prefill chunk comes before every decode token, in every step (so
+    every step caches and adopts the same blocks). A decodes the token that completes its
+    block 1 in the round B, which continues A's conversation, reaches block 1: B looks block 1
+    up before A's decode token fills it, so B computes block 1 itself and adopts only block 0."""
+    prompt_a = tokens(150, 2 * BS - 1)
+    (first_token,) = reference_tokens(CFG, [prompt_a], 1)[0]
+    prompt_b = [*prompt_a, first_token, 7]  # block 1 of B = block 1 of A once A decodes
+    engine = make_engine(max_running=2)
+    rid_a = engine.add_request(prompt_a, 3)
+    engine.step()
+    engine.step()  # A's last chunk: its first token; block 1 has 3 of its 4 slots
+    engine.reset_stats()
+    rid_b = engine.add_request(prompt_b, 2)
+    engine.step()  # B: adopt block 0, compute block 1; then A decodes into its block 1
+    assert (engine.stats.cached_tokens, engine.stats.computed_prefill_tokens) == (BS, BS)
+    run_rounds(engine)
+    assert engine.pop_output(rid_a) == reference_tokens(CFG, [prompt_a], 3)[0]
+    assert engine.pop_output(rid_b) == reference_tokens(CFG, [prompt_b], 2)[0]
+
+
 # ---- stopping -----------------------------------------------------------------------------
 
 
