@@ -71,28 +71,6 @@ def truncate_at_eos(ids: list[int], eos: list[int]) -> list[int]:
     return ids
 
 
-def serve_staggered(
-    engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None
-) -> list[list[int]]:
-    """Serve ``prompts`` as a server would see them arrive: the first alone, the others as soon
-    as its prompt is in the pool.
-
-    Chunked prefill advances one block per round, so after ``ceil(len / block_size)`` rounds the
-    first prompt's full blocks are cached, and every later request can adopt the shared system
-    prompt instead of computing it. (Requests that start in the same round cannot: none of the
-    shared blocks exists yet.) The requests then run batched, as usual.
-    """
-    first = engine.add_request(prompts[0], max_new_tokens, eos_token_id)
-    block_size = engine.model.cfg.block_size
-    for _ in range(-(-len(prompts[0]) // block_size)):
-        if engine.has_work:
-            engine.step()
-    ids = [first] + [engine.add_request(p, max_new_tokens, eos_token_id) for p in prompts[1:]]
-    while engine.has_work:
-        engine.step()
-    return [engine.pop_output(i) for i in ids]
-
-
 @dataclass
 class TextResult:
     """What ``generate_text`` returns: the texts, their token ids and the engine's figures."""
@@ -134,7 +112,7 @@ def generate_text(
     engine = step.PagedPrefixCacheEngine(model, max_running=max_running)
     start = time.perf_counter()
     with torch.inference_mode():
-        raw = serve_staggered(engine, prompt_ids, max_new_tokens, eos[0] if eos else None)
+        raw = engine.generate(prompt_ids, max_new_tokens, eos[0] if eos else None)
     seconds = time.perf_counter() - start
     output_ids = [truncate_at_eos(ids, eos) for ids in raw]
     outputs = [tokenizer.decode(ids, skip_special_tokens=True) for ids in output_ids]
@@ -225,8 +203,6 @@ def print_result(result: TextResult, system: str | None) -> None:
         f"{s.cached_tokens}/{s.prompt_tokens} prompt tokens ({s.token_hit_rate:.0%}) from the "
         f"cache; {new_tokens} new tokens in {result.seconds:.2f} s"
     )
-    if len(result.prompts) > 1:
-        print("(request 1 arrives first; the others join once its prompt is in the pool)")
 
 
 def run_text(step: ModuleType | str, args: argparse.Namespace) -> int:
