@@ -503,6 +503,24 @@ def test_sequence_unit(step: ModuleType) -> None:
     assert capped.status is step.SequenceStatus.FINISHED
 
 
+def test_sequence_hash_chain_is_the_chain_hash_of_its_tokens(step: ModuleType) -> None:
+    """From step14_5 a Sequence keeps its blocks' chain hashes (prompt and output alike):
+    extending it to n blocks gives exactly common.hashing's first n hashes, and a later, longer
+    extension keeps the earlier links."""
+    if not hasattr(step.Sequence, "extend_block_hashes"):
+        pytest.skip("the hash chain on Sequence arrives in step14_5")
+    prompt = tokens(590, 2 * BS + 1)
+    seq = step.Sequence(0, prompt, max_new_tokens=BS + 3)
+    seq.extend_block_hashes(1, BS)
+    assert seq.block_hashes == hashing.hash_prefix_blocks(prompt, BS)[:1]
+    for t in tokens(591, BS + 3):
+        seq.generated_ids.append(t)
+    seq.extend_block_hashes(3, BS)  # block 2 runs into the output
+    assert seq.block_hashes == hashing.hash_prefix_blocks(seq.token_ids, BS)[:3]
+    seq.extend_block_hashes(2, BS)
+    assert len(seq.block_hashes) == 3
+
+
 def test_ref_count_problems_reports_what_is_broken(make_engine: EngineFactory) -> None:
     """ref_count_problems is empty at rest and names the broken block otherwise: a block with
     an owner too many, a block held outside the cache, or an engine that is not at rest."""
