@@ -146,10 +146,13 @@ class PagedPrefixCacheEngine:
 
     def ref_count_problems(self) -> list[str]:
         """At rest every block is free (ref_count 0) or held by the cache alone (ref_count 1),
-        and free + cached = total. Returns what breaks that (empty when all is sane)."""
+        free + cached = total, and no block is still reserved for a request (a leaked
+        reservation would shrink the pool for good). Returns what breaks that (empty: sane)."""
         bm, problems = self.block_manager, []
         if self.has_work:
             return ["engine is not at rest"]
+        if self._reserved:
+            problems.append(f"{self._reserved} blocks still reserved with no request running")
         for block_id in range(bm.total_blocks):
             expected = 1 if self.prefix_cache is not None and block_id in self.prefix_cache else 0
             if bm.ref_count(block_id) != expected:

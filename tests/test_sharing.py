@@ -171,6 +171,18 @@ def showcase(engine) -> list[list[int]]:
     return engine.generate(shared_prefix_prompts(16, 8 * BS, BS, CFG.vocab_size, seed=12), 4)
 
 
+def early_eos(engine) -> list[list[int]]:
+    """Requests that stop at an eos part-way: the reservation they leave unused goes back, and
+    their partly filled output blocks are never cached. The eos is a token the reference
+    produces, so that some requests really do stop early."""
+    prompts = shared_prefix_prompts(6, 2 * BS + 1, 3, CFG.vocab_size, seed=13)
+    eos = reference_tokens(CFG, prompts[:1], 3)[0][2]
+    outputs = engine.generate(prompts, 2 * BS, eos_token_id=eos)
+    assert outputs == reference_tokens(CFG, prompts, 2 * BS, eos_token_id=eos)
+    assert min(map(len, outputs)) < 2 * BS
+    return outputs
+
+
 def demo(engine) -> list[list[int]]:
     prompts = demo_prompts(CFG.vocab_size, block_size=BS)
     return engine.generate_serial(prompts, 4) + engine.generate_serial(prompts, 4)
@@ -186,6 +198,7 @@ WORKLOADS = {
     "showcase": (showcase, {"max_running": 8}),
     "multi-turn": (multi_turn, {}),
     "tight-pool": (tight_pool, {"cfg": tiny_config(total_blocks=12), "max_running": 3}),
+    "early-eos": (early_eos, {"cfg": tiny_config(total_blocks=24), "max_running": 6}),
 }
 
 
