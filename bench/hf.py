@@ -15,6 +15,7 @@ import torch
 from common.config import ModelConfig
 from common.hf import hf_llama
 
+from .costs import dense_kv_bytes, dense_work, model_flops
 from .harness import RunResult, Workload
 
 
@@ -33,6 +34,10 @@ def hf_runner(
 ) -> Callable[[], RunResult] | None:
     """A function that runs one batched greedy ``generate``, or None (with the reason printed).
 
+    All prompts go in one batch (they have one length: no padding) and HF keeps a dense KV
+    cache, ``[batch, positions]`` per layer; its figures come from the same formulas as the
+    engine's (``bench.costs``), over what it computes: every prompt token, nothing shared.
+
     ``weights``: a checkpoint's tensors instead of the seeded weights of ``cfg``.
     """
     try:
@@ -44,6 +49,8 @@ def hf_runner(
         print("  (Hugging Face row skipped: it needs prompts of one length, no padding)")
         return None
     input_ids = torch.tensor(prompts, device=cfg.device)
+    batch, prompt_len, new_tokens = len(prompts), len(prompts[0]), workload.max_new_tokens
+    work = dense_work(batch, prompt_len, new_tokens)  # no cache: every prompt token computed
 
     def run() -> RunResult:
         start = time.perf_counter()
@@ -55,7 +62,16 @@ def hf_runner(
                 do_sample=False,
                 attention_mask=torch.ones_like(input_ids),
             )
+        if cfg.device != "cpu":
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        return RunResult(out[:, input_ids.shape[1] :].tolist(), seconds)
+        return RunResult(
+            out[:, prompt_len:].tolist(),
+            seconds,
+            computed_prefill_tokens=batch * prompt_len,
+            computed_decode_tokens=batch * (new_tokens - 1),
+            kv_peak_bytes=dense_kv_bytes(cfg, batch, prompt_len, new_tokens),
+            flops=model_flops(cfg, work),
+        )
 
     return run

@@ -14,10 +14,15 @@ import torch
 
 from common.config import ModelConfig
 
+from .costs import MATMUL_N, MIB, dense_kv_bytes, paged_kv_bytes
 from .harness import RunResult, Workload
 
 if TYPE_CHECKING:
     from .showcase import Row
+
+
+# Rows whose slowest run took more than this many times their fastest are flagged "!".
+SPREAD_FLAG = 1.5
 
 
 # A reference check slower than this gets a hint that --no-reference skips it.
@@ -29,54 +34,133 @@ def plural(count: int, word: str) -> str:
     return f"{count} {word}" if count == 1 else f"{count} {word}s"
 
 
-def header(cfg: ModelConfig, workload: Workload, repeats: int) -> str:
-    """What runs, on what: the workload, the model, and torch's thread count (said once)."""
+def header(
+    cfg: ModelConfig, workload: Workload, repeats: int, model: str, machine_gflops: float
+) -> str:
+    """What runs, on what: the workload, the model, torch's thread count (said once) and this
+    machine's matmul rate, the yardstick of the GFLOP/s column."""
+    threads = plural(torch.get_num_threads(), "thread")
     return (
         f"{workload.num_requests} requests: a {workload.prefix_len}-token shared prefix + "
         f"{workload.tail_len} own tokens each, {workload.max_new_tokens} new tokens, "
-        f"max_running={workload.max_running}\nmodel: d_model={cfg.d_model}, "
+        f"max_running={workload.max_running}\nmodel {model}: d_model={cfg.d_model}, "
         f"{cfg.num_layers} layers, {cfg.num_heads} heads, vocab {cfg.vocab_size}, "
         f"block_size={cfg.block_size}, {cfg.total_blocks} blocks, {cfg.device}, "
-        f"{str(cfg.dtype).removeprefix('torch.')}; torch {torch.__version__}, "
-        f"{plural(torch.get_num_threads(), 'thread')}\n"
-        f"{plural(repeats, 'run')} per row (each a fresh engine, so a cold cache):"
+        f"{dtype_name(cfg)}; torch {torch.__version__}, {threads}\n"
+        f"this machine: {machine_gflops:.1f} GFLOP/s on a {MATMUL_N}x{MATMUL_N} float32 matmul "
+        f"({threads}): what arithmetic alone could reach\n"
+        f"{plural(repeats, 'run')} per row, each through a fresh engine (a cold cache unless "
+        "the row says warm):"
     )
 
 
-def _hit(result: RunResult) -> str:
-    """Prefix-cache hits of one run; "-" for a row that has no prefix cache (HF)."""
+def dtype_name(cfg: ModelConfig) -> str:
+    return str(cfg.dtype).removeprefix("torch.")
+
+
+def _reuse(result: RunResult) -> str:
+    """Prompt tokens the prefix cache served (not computed); "-" for a row without one (HF)."""
     if not result.requests:
         return "-"
-    tokens = result.cached_tokens / result.prompt_tokens
-    return f"{result.requests_hit}/{result.requests} req, {tokens:.0%} tok"
+    return f"{result.cached_tokens / result.prompt_tokens:.0%}"
 
 
-def _computed_prefill(result: RunResult) -> str:
-    """Prompt tokens the model really computed (the rest came from the cache); "-" for HF."""
-    return str(result.computed_prefill_tokens) if result.requests else "-"
+def _computed(result: RunResult) -> str:
+    """Tokens the model computed: prompt tokens (what the cache did not save) + decode tokens."""
+    return f"{result.computed_prefill_tokens} + {result.computed_decode_tokens}"
+
+
+def _seconds(row: Row) -> str:
+    """The fastest run, and ``!`` when the runs were too far apart to trust."""
+    return f"{row.best:.3f}{'!' if row.flagged else ' '}"
+
+
+# (title, width, right-aligned?) of every column after the first two.
+COLUMNS = [
+    ("min s", 8, True),
+    ("tokens/s", 8, True),
+    ("VS", 9, True),
+    ("vs prev", 7, True),
+    ("prefix reuse", 12, True),
+    ("computed tokens", 15, True),
+    ("peak KV MiB", 11, True),
+    ("GFLOP", 7, True),
+    ("GFLOP/s", 7, True),
+]
 
 
 def table(rows: list[Row], extra: list[Row]) -> str:
     """The Markdown table: ``rows`` are steps (speedups against the first one and the one
-    before), ``extra`` are variants (no cache, HF) compared with the first row only."""
-    base, vs_base = rows[0].median, f"vs {rows[0].name}"
-    width = max(len(vs_base), 9)
+    before), ``extra`` are variants (warm prefix, no cache, HF) compared with the first row only.
+    Every speed comes from each row's fastest run."""
+    base, vs_base = rows[0].best, f"vs {rows[0].name}"
+    titles = [(vs_base if title == "VS" else title) for title, _, _ in COLUMNS]
+    widths = [max(len(title), width) for title, (_, width, _) in zip(titles, COLUMNS)]
+    name_w = max(22, *(len(r.name) for r in rows + extra))
+    fix_w = max(13, *(len(r.fixes) for r in rows + extra))
+
+    def line(name: str, fixes: str, cells: list[str]) -> str:
+        body = " | ".join(f"{c:>{w}}" for c, w in zip(cells, widths))
+        return f"| {name:<{name_w}} | {fixes:<{fix_w}} | {body} |"
+
     lines = [
         "",
-        f"| {'step':<20} | {'what it fixed':<56} | median s | tokens/s | {vs_base:>{width}} "
-        f"| vs prev | prefill computed | prefix-cache hits |",
-        f"|{'-' * 22}|{'-' * 58}|---------:|---------:|{'-' * (width + 1)}:|--------:"
-        f"|-----------------:|---|",
+        line("step", "what it fixed", titles),
+        "|"
+        + "|".join("-" * (w + 2) for w in (name_w, fix_w))
+        + "|"
+        + "|".join("-" * (w + 1) + ":" for w in widths)
+        + "|",
     ]
     prev = None
     for row in rows + extra:
-        vs_prev = f"{prev / row.median:.2f}x" if prev and row in rows else ""
+        is_step = row in rows
+        vs_prev = f"{prev / row.best:.2f}x" if prev and is_step else ""
+        r = row.result
+        cells = [
+            _seconds(row),
+            f"{row.tokens_per_second:.1f}",
+            f"{base / row.best:.2f}x",
+            vs_prev,
+            _reuse(r),
+            _computed(r),
+            f"{r.kv_peak_bytes / MIB:.2f}",
+            f"{r.flops / 1e9:.2f}",
+            f"{row.gflops_per_second:.1f}",
+        ]
+        lines.append(line(row.name, row.fixes, cells))
+        prev = row.best if is_step else prev
+    return "\n".join(lines) + "\n"
+
+
+def notes(
+    rows: list[Row], cfg: ModelConfig, workload: Workload, repeats: int, machine_gflops: float
+) -> str:
+    """What the columns mean, with this run's own figures: the statistic, the flag, and the
+    formulas behind the KV memory and the FLOPs."""
+    block_kib = paged_kv_bytes(cfg, 1) / 1024
+    prompt_len = workload.prefix_len + workload.tail_len
+    positions = prompt_len + workload.max_new_tokens - 1
+    dense_kib = dense_kv_bytes(cfg, 1, 1, 1) / 1024
+    lines = [
+        f"min s: the fastest of {plural(repeats, 'run')} (every run does the same work, so a "
+        "slower one only measures what else the machine was doing).",
+        "prefix reuse: prompt tokens served by the prefix cache; computed tokens: prompt + "
+        "decode tokens that went through the model.",
+        f"peak KV MiB: engine rows hold blocks_peak x {block_kib:g} KiB (2 x {cfg.num_layers} "
+        f"layers x {cfg.block_size} tokens x {cfg.num_kv_heads} KV heads x {cfg.d_head} x "
+        f"{cfg.dtype.itemsize} bytes); HF holds a dense cache of {workload.num_requests} x "
+        f"{positions} positions x {dense_kib:g} KiB.",
+        f"GFLOP: model FLOPs of the computed tokens (bench/costs.py); GFLOP/s = GFLOP / min s, "
+        f"against this machine's {machine_gflops:.1f} on a plain matmul: far below it, a row is "
+        "bound by overhead, not arithmetic.",
+    ]
+    flagged = [r.name for r in rows if r.flagged]
+    if flagged:
         lines.append(
-            f"| {row.name:<20} | {row.fixes:<56} | {row.median:8.3f} | "
-            f"{row.tokens_per_second:8.1f} | {base / row.median:{width - 1}.2f}x | {vs_prev:>7} "
-            f"| {_computed_prefill(row.result):>16} | {_hit(row.result)} |"
+            f"! runs more than {SPREAD_FLAG}x apart (slowest / fastest): {', '.join(flagged)}. "
+            "The machine was busy; its min s may still be too high: rerun, with --threads 1."
         )
-        prev = row.median if row in rows else prev
     return "\n".join(lines) + "\n"
 
 
@@ -113,9 +197,10 @@ def save(
     cfg: ModelConfig,
     workload: Workload,
     args,
-    rows: list,
-    extra: list,
+    rows: list[Row],
+    extra: list[Row],
     tokens_identical: bool,
+    machine_gflops: float,
 ) -> None:
     """``results.json`` (every figure, the settings and the machine) and the chart."""
     folder = Path(out)
@@ -129,39 +214,57 @@ def save(
             "python": platform.python_version(),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
+            "matmul_gflops": machine_gflops,
+            "matmul": f"{MATMUL_N}x{MATMUL_N} float32",
         },
         "settings": {
             "workload": asdict(workload),
             "repeats": args.repeats,
             "model": {k: str(v) for k, v in asdict(cfg).items()},
+            "model_name": str(getattr(args, "model", "")),
         },
+        "statistic": "min",  # each row's seconds: its fastest run
+        "spread_flag": SPREAD_FLAG,
+        "kv_bytes_per_block": paged_kv_bytes(cfg, 1),
         "tokens_identical": tokens_identical,
         "baseline": base.name,
-        "rows": [
-            {
-                "name": r.name,
-                "fixes": r.fixes,
-                "seconds": r.seconds,
-                "median_s": r.median,
-                "tokens_per_s": r.tokens_per_second,
-                "speedup_vs_baseline": base.median / r.median,
-                "requests": r.result.requests,
-                "requests_hit": r.result.requests_hit,
-                "prompt_tokens": r.result.prompt_tokens,
-                "cached_tokens": r.result.cached_tokens,
-                "computed_prefill_tokens": r.result.computed_prefill_tokens,
-                "computed_decode_tokens": r.result.computed_decode_tokens,
-            }
-            for r in rows + extra
-        ],
+        "rows": [row_json(r, base) for r in rows + extra],
     }
     (folder / "results.json").write_text(json.dumps(data, indent=2) + "\n")
     print(f"results: {folder / 'results.json'}")
     chart(folder / "speedups.png", rows + extra, base)
 
 
+def row_json(row: Row, base: Row) -> dict[str, object]:
+    """One row of ``results.json``: every run's time and every figure of the table."""
+    r = row.result
+    return {
+        "name": row.name,
+        "fixes": row.fixes,
+        "seconds": row.seconds,
+        "min_s": row.best,
+        "median_s": row.median,
+        "spread": row.spread,
+        "flagged": row.flagged,
+        "tokens_per_s": row.tokens_per_second,
+        "speedup_vs_baseline": base.best / row.best,
+        "requests": r.requests,
+        "requests_hit": r.requests_hit,
+        "prompt_tokens": r.prompt_tokens,
+        "cached_tokens": r.cached_tokens,
+        "computed_prefill_tokens": r.computed_prefill_tokens,
+        "computed_decode_tokens": r.computed_decode_tokens,
+        "blocks_peak": r.blocks_peak,
+        "kv_peak_bytes": r.kv_peak_bytes,
+        "kv_peak_mib": r.kv_peak_bytes / MIB,
+        "flops": r.flops,
+        "gflops_per_s": row.gflops_per_second,
+    }
+
+
 def chart(path: Path, rows: list[Row], base: Row) -> None:
-    """A bar per row: its speedup over ``base`` (the first step run), when matplotlib is here."""
+    """Two panels, when matplotlib is here: each row's speedup over ``base`` (the first step
+    run), and the peak KV memory it held."""
     try:
         import matplotlib
 
@@ -170,14 +273,23 @@ def chart(path: Path, rows: list[Row], base: Row) -> None:
     except ImportError:
         print("chart: skipped (pip install -e '.[plot]' to get speedups.png)")
         return
-    names = [r.name for r in rows]
-    speedups = [base.median / r.median for r in rows]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    bars = ax.barh(names[::-1], speedups[::-1], color="#4c72b0")
-    ax.bar_label(bars, labels=[f"{s:.1f}x" for s in speedups[::-1]], padding=3)
-    ax.axvline(1.0, color="grey", linewidth=0.8)
-    ax.set_xlabel(f"speedup over {base.name} (end to end, higher is better)")
-    ax.set_title("What each step buys")
+    names = [r.name for r in rows][::-1]  # barh draws bottom-up: the first row on top
+    speedups = [base.best / r.best for r in rows][::-1]
+    mib = [r.result.kv_peak_bytes / MIB for r in rows][::-1]
+    fig, (speed_ax, kv_ax) = plt.subplots(
+        1, 2, figsize=(12, 4.8), sharey=True, gridspec_kw={"width_ratios": [3, 2]}
+    )
+    bars = speed_ax.barh(names, speedups, color="#4c72b0")
+    speed_ax.bar_label(bars, labels=[f"{s:.1f}x" for s in speedups], padding=3)
+    speed_ax.axvline(1.0, color="grey", linewidth=0.8)
+    speed_ax.set_xlabel(f"speedup over {base.name} (fastest run; higher is better)")
+    speed_ax.set_title("What each step buys")
+    bars = kv_ax.barh(names, mib, color="#dd8452")
+    kv_ax.bar_label(bars, labels=[f"{m:.1f}" if m >= 1 else f"{m:.2f}" for m in mib], padding=3)
+    kv_ax.set_xlabel("peak KV memory, MiB (lower is better)")
+    kv_ax.set_title("KV memory held")
+    for ax in (speed_ax, kv_ax):
+        ax.margins(x=0.15)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -6,6 +6,9 @@ caches the prefix and the other nine hit it (cold round, 9/10); served again, al
 round, 10/10). A third round with the prefix cache off shows what the cache saves. Outputs must
 not change, and at rest every block must be free or cached. Then the same requests go through
 the batched engine, which must give the same tokens.
+
+With ``--model DIR`` (a local Hugging Face Llama checkpoint) it serves real text instead:
+``--prompt`` requests behind a shared ``--system`` prompt (``common/text.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench.cli import (
+from common.cli import (
     HelpFormatter,
     device_name,
     dtype_name,
@@ -28,6 +31,7 @@ from bench.cli import (
 )
 from common.config import DTYPES, PRESETS, preset
 from common.reference import ReferenceModel, reference_generate
+from common.text import add_model_args, run_text
 from common.workload import demo_prompts
 
 from . import EngineStats, PagedPrefixCacheEngine, TinyTransformerPaged
@@ -42,6 +46,10 @@ Ten requests share a 3-block prefix. Served one at a time, the first misses and 
 prefix and the other nine hit it (cold round, 9/10); served again, all ten hit (hot round,
 10/10); a round with the prefix cache off shows what the cache saves. Then the batched engine
 serves them together. Every round must produce the same tokens as the dense reference model.
+
+With --model DIR (a local Hugging Face Llama checkpoint: config.json, *.safetensors,
+tokenizer.json) it serves real text instead: each --prompt behind the shared --system prompt,
+through this step's engine; --seed then has no use, the other flags keep their meaning.
 """
 
 Generate = Callable[[list[list[int]], int], list[list[int]]]
@@ -83,9 +91,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1,
         metavar="N",
         help="torch CPU threads (0: torch's default); one suits the small demo model and "
-        "keeps its timings steady on a busy machine",
+        "keeps its timings steady on a busy machine; a real --model wants 0",
     )
+    add_model_args(p)
     args = p.parse_args(argv)
+    if args.model is not None:
+        return args  # real text: the engine refuses a request the pool could never hold
+    if args.system is not None or args.prompt:
+        p.error("--system and --prompt need --model DIR (a checkpoint): the demo has its own")
     need = blocks_for_longest_request(args.block_size, args.max_new_tokens)
     if args.total_blocks < need:
         p.error(
@@ -178,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.model is not None:
+        return run_text(STEP, args)
     cfg = preset(
         "demo",
         device=args.device,

@@ -65,7 +65,7 @@ BENCH_ERRORS = [
     (["--tail-len", "-1"], "argument --tail-len: must be >= 0"),
     (["--prefix-len", "0", "--tail-len", "0"], "a prompt needs at least one token"),
     (["--new-tokens", "0"], "argument --new-tokens: must be >= 1"),
-    (["--max-running", "0"], "argument --max-running: must be >= 1"),
+    (["--max-running", "-1"], "argument --max-running: must be >= 0, got -1"),
     (["--block-size", "0"], "argument --block-size: must be >= 1"),
     (["--repeats", "0"], "argument --repeats: must be >= 1"),
     (["--threads", "-2"], "argument --threads: must be >= 0, got -2"),
@@ -107,18 +107,21 @@ def test_bench_refuses_an_out_that_is_a_file(tmp_path: Path, capsys) -> None:
 
 
 @pytest.mark.usefixtures("no_work")
-def test_bench_model_directory_is_refused_until_checkpoints_are_wired(tmp_path, capsys) -> None:
-    """A directory passes the --model type (it is a checkpoint, not a typo) and is refused in
-    one place in parse_args; this test changes when checkpoint loading lands there."""
+def test_bench_model_directory_needs_a_config_json(tmp_path, capsys) -> None:
+    """A folder that is not a checkpoint is refused by the --model type, before any work (a
+    real checkpoint runs: tests/test_model_dir.py)."""
     line = expect_usage_error(showcase.main, ["--model", str(tmp_path)], capsys)
-    assert "checkpoint directories are not supported yet" in line
+    assert "is neither a preset" in line and "no config.json" in line
 
 
 def test_bench_accepts_the_edge_values() -> None:
     args = showcase.parse_args(
-        ["--prefix-len", "0", "--threads", "0", "--steps", f" {STEP_NAMES[-1]} , {STEP_NAMES[0]} "]
+        [
+            *("--prefix-len", "0", "--threads", "0", "--max-running", "0"),
+            *("--steps", f" {STEP_NAMES[-1]} , {STEP_NAMES[0]} "),
+        ]
     )
-    assert (args.prefix_len, args.threads) == (0, 0)
+    assert (args.prefix_len, args.threads, args.max_running) == (0, 0, 0)
     assert args.steps == [STEP_NAMES[-1], STEP_NAMES[0]]  # the order given, blanks ignored
     assert showcase.parse_args([]).steps == STEP_NAMES
     assert showcase.parse_args(["--steps", "all"]).steps == STEP_NAMES
@@ -139,6 +142,9 @@ def demo_errors() -> list[tuple[list[str], str]]:
         (["--threads", "-2"], "argument --threads: must be >= 0"),
         (["--dtype", "half"], "argument --dtype: 'half' is not a dtype"),
         (["--device", "gpu"], "argument --device: 'gpu' is not a device"),
+        (["--system", "You are brief."], "--system and --prompt need --model DIR"),
+        (["--prompt", "Hello"], "--system and --prompt need --model DIR"),
+        (["--model", "meta-llama/Llama-3.2-1B"], "is not a checkpoint directory"),
     ]
 
 
@@ -181,9 +187,9 @@ def test_demo_help_names_the_chapter(capsys) -> None:
     assert 'the chapter "Paged Prefix Cache"' in text and "prefix cache" in text
 
 
-def fake_row(name: str, median: float, computed_prefill: int) -> showcase.Row:
-    result = RunResult([[1]], median, 4, 3, 160, 96, computed_prefill, 12)
-    return showcase.Row(name, "what it fixed", [median], result, new_tokens=16)
+def fake_row(name: str, seconds: float, computed_prefill: int) -> showcase.Row:
+    result = RunResult([[1]], seconds, 4, 3, 160, 96, computed_prefill, 12)
+    return showcase.Row(name, "what it fixed", [seconds], result, new_tokens=16)
 
 
 def test_a_subset_is_compared_with_its_first_step(tmp_path: Path) -> None:
@@ -203,19 +209,21 @@ def test_a_subset_is_compared_with_its_first_step(tmp_path: Path) -> None:
     ]
     args = SimpleNamespace(repeats=1)
     cfg, workload = preset("tiny"), Workload()
-    report.save(str(tmp_path), cfg, workload, args, rows, extra, tokens_identical=True)
+    report.save(str(tmp_path), cfg, workload, args, rows, extra, True, machine_gflops=50.0)
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["baseline"] == "step14_6"
     assert [r["speedup_vs_baseline"] for r in data["rows"]] == [1.0, 2.0, 1.25]
     assert [r["computed_prefill_tokens"] for r in data["rows"]] == [64, 64, 160]
 
 
-def test_table_shows_computed_prefill_tokens_and_dashes_for_hf() -> None:
-    hf = showcase.Row("HF generate", "transformers", [1.0], RunResult([[1]], 1.0), 16)
+def test_table_shows_computed_tokens_and_a_dash_for_hf_reuse() -> None:
+    hf_result = RunResult([[1]], 1.0, computed_prefill_tokens=160, computed_decode_tokens=12)
+    hf = showcase.Row("HF generate", "transformers", [1.0], hf_result, 16)
     lines = report.table([fake_row("step14", 1.0, 64)], [hf]).splitlines()
-    assert "prefill computed" in lines[1]
-    assert lines[3].split("|")[7].strip() == "64"
-    assert lines[4].split("|")[7].strip() == "-" and lines[4].split("|")[8].strip() == "-"
+    titles = [cell.strip() for cell in lines[1].split("|")]
+    reuse, computed = titles.index("prefix reuse"), titles.index("computed tokens")
+    assert [lines[3].split("|")[i].strip() for i in (reuse, computed)] == ["60%", "64 + 12"]
+    assert [lines[4].split("|")[i].strip() for i in (reuse, computed)] == ["-", "160 + 12"]
 
 
 def test_token_check_wording() -> None:
@@ -229,10 +237,11 @@ def test_token_check_wording() -> None:
 
 def test_header_counts_in_good_english(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(report.torch, "get_num_threads", lambda: 1)
-    one = report.header(preset("tiny"), Workload(), repeats=1)
+    one = report.header(preset("tiny"), Workload(), 1, "tiny", machine_gflops=81.25)
     assert "1 thread\n" in one and "1 run per row" in one and "threads" not in one
+    assert "81.2 GFLOP/s on a 1024x1024 float32 matmul" in one and "model tiny:" in one
     monkeypatch.setattr(report.torch, "get_num_threads", lambda: 2)
-    assert "2 threads" in report.header(preset("tiny"), Workload(), repeats=3)
+    assert "2 threads" in report.header(preset("tiny"), Workload(), 3, "tiny", 1.0)
 
 
 def test_phases_say_how_long_and_how_to_skip_a_slow_reference() -> None:
@@ -250,8 +259,10 @@ def test_a_tiny_subset_runs_end_to_end(tmp_path: Path, capsys) -> None:
     )
     out = capsys.readouterr().out
     assert code == 0, out
-    assert f"vs {first}" in out and "prefill computed" in out
+    assert f"vs {first}" in out and "computed tokens" in out and "peak KV MiB" in out
+    assert f"| {last} (warm prefix) " in out and f"| {last} (no cache) " in out
     assert "same tokens as the dense reference model" in out
+    assert "max_running=2" in out  # --max-running 0: every request at once
     assert re.search(r"^time: steps \d+\.\d s, reference check \d+\.\d s$", out, re.MULTILINE)
     assert json.loads((tmp_path / "results.json").read_text())["baseline"] == first
 

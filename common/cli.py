@@ -1,4 +1,7 @@
-"""Command-line checks shared by ``python -m bench`` and every step's demo (``run.py``).
+"""Command-line checks shared by every step's demo (``run.py``) and ``python -m bench``.
+
+They live in ``common/`` because a step must stand on its own: ``python -m step14_3.run`` may
+import what never changes between steps, never the benchmark package.
 
 Each function below is an argparse ``type=``: it turns the text of one flag into its value or
 raises ``argparse.ArgumentTypeError``, which argparse prints as one ``error:`` line before it

@@ -1,0 +1,226 @@
+"""The showcase's figures beyond seconds (``bench/costs.py``, ``bench/harness.py``): model
+FLOPs, peak KV memory, the warm-prefix row, the fastest-run statistic and the spread flag.
+
+Each formula is checked against something it does not share code with: a brute-force sum,
+the model's own parameters and KV pool, the engine's counters, or Hugging Face's real cache.
+"""
+
+from __future__ import annotations
+
+import json
+from types import ModuleType, SimpleNamespace
+
+import pytest
+import torch
+
+from bench import report, showcase
+from bench.costs import (
+    TokenWork,
+    counting,
+    dense_kv_bytes,
+    dense_work,
+    linear_params_per_layer,
+    model_flops,
+    paged_kv_bytes,
+)
+from bench.harness import RunResult, StepRunner, Workload, bench_config
+from common.config import preset
+from tests.conftest import STEP_NAMES
+
+WORKLOAD = Workload(num_requests=3, prefix_len=12, tail_len=5, max_new_tokens=4, max_running=3)
+CFG = bench_config(WORKLOAD, "tiny", num_kv_heads=2)  # grouped-query: k/v narrower than q
+
+
+@pytest.mark.parametrize(("start", "length"), [(0, 1), (0, 16), (7, 1), (32, 16), (5, 0)])
+def test_a_chunk_adds_its_tokens_and_their_context(start: int, length: int) -> None:
+    work = TokenWork()
+    work.add_chunk(start, length)
+    assert work.tokens == length
+    assert work.context == sum(p + 1 for p in range(start, start + length))
+
+
+def test_linear_params_are_the_layer_matmuls_weights() -> None:
+    """Every nn.Linear of a layer, counted from the model itself (k and v narrower with GQA)."""
+    model = StepRunner(STEP_NAMES[-1], CFG).model
+    layer = model.model.layers[0]
+    linears = [m for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 7  # q k v o, gate up down
+    assert linear_params_per_layer(CFG) == sum(m.weight.numel() for m in linears)
+
+
+def test_model_flops_adds_up_per_term() -> None:
+    """One token at position 0 generating nothing, then the attention and lm_head terms alone."""
+    one = TokenWork(tokens=1, context=1, sampled=0)
+    matmuls = 2 * CFG.num_layers * linear_params_per_layer(CFG)
+    attention_per_key = 4 * CFG.num_layers * CFG.num_heads * CFG.d_head
+    assert model_flops(CFG, one) == matmuls + attention_per_key
+    assert model_flops(CFG, TokenWork(context=10)) == 10 * attention_per_key
+    assert model_flops(CFG, TokenWork(sampled=3)) == 3 * 2 * CFG.d_model * CFG.vocab_size
+
+
+def test_paged_kv_bytes_is_the_pool_per_block() -> None:
+    model = StepRunner(STEP_NAMES[-1], CFG).model
+    pool = model.kv_pool_k.nbytes + model.kv_pool_v.nbytes
+    assert paged_kv_bytes(CFG, CFG.total_blocks) == pool
+    assert paged_kv_bytes(CFG, 3) == 3 * pool // CFG.total_blocks
+
+
+@pytest.fixture(scope="module")
+def cold_runs() -> dict[str, RunResult]:
+    prompts = WORKLOAD.prompts(CFG.vocab_size)
+    return {name: StepRunner(name, CFG).run(prompts, WORKLOAD) for name in STEP_NAMES}
+
+
+def test_every_step_counts_the_tokens_its_engine_computed(cold_runs) -> None:
+    """The counted chunks are exactly what the engine says it computed, in every step (per
+    sequence calls up to step14_6, one batched call per round in step14_7), and so every step
+    did the same FLOPs."""
+    first = cold_runs[STEP_NAMES[0]]
+    for name, result in cold_runs.items():
+        assert result.outputs == first.outputs, name
+        assert (result.computed_prefill_tokens, result.computed_decode_tokens) == (
+            first.computed_prefill_tokens,
+            first.computed_decode_tokens,
+        ), name
+        assert result.flops == first.flops, name
+    assert 0 < first.cached_tokens < first.prompt_tokens  # the prefix was shared
+
+
+def test_counted_work_equals_the_engine_counters() -> None:
+    runner = StepRunner(STEP_NAMES[-1], CFG)
+    engine = runner.engine(WORKLOAD)
+    with counting(runner.model) as work:
+        engine.generate(WORKLOAD.prompts(CFG.vocab_size), WORKLOAD.max_new_tokens)
+    assert work.tokens == engine.stats.computed_tokens
+    assert work.context > work.tokens  # later tokens attend to more than themselves
+
+
+@pytest.mark.parametrize("step_name", [STEP_NAMES[0], STEP_NAMES[-1]])
+def test_counting_leaves_the_model_as_it_was(step_name: str) -> None:
+    model = StepRunner(step_name, CFG).model
+    with counting(model):
+        pass
+    assert "forward_batched" not in vars(model) and not model._forward_pre_hooks
+
+
+def test_without_the_cache_the_engine_does_hf_s_work() -> None:
+    """Cache off, every prompt token is computed, as by a dense generate: the same formula
+    gives the same FLOPs for both rows."""
+    runner = StepRunner(STEP_NAMES[-1], CFG)
+    result = runner.run(WORKLOAD.prompts(CFG.vocab_size), WORKLOAD, enable_prefix_cache=False)
+    prompt_len = WORKLOAD.prefix_len + WORKLOAD.tail_len
+    dense = dense_work(WORKLOAD.num_requests, prompt_len, WORKLOAD.max_new_tokens)
+    assert result.flops == model_flops(CFG, dense)
+    assert result.computed_prefill_tokens + result.computed_decode_tokens == dense.tokens
+
+
+def test_warm_prefix_serves_the_prefix_from_the_cache(cold_runs) -> None:
+    """After one earlier request, every timed request adopts the whole shared prefix (its full
+    blocks); the tokens do not change; the cached prefix is counted in the peak memory."""
+    runner = StepRunner(STEP_NAMES[-1], CFG)
+    prompts = WORKLOAD.prompts(CFG.vocab_size)
+    earlier = WORKLOAD.earlier_prompt(CFG.vocab_size)
+    assert earlier[: WORKLOAD.prefix_len] == prompts[0][: WORKLOAD.prefix_len]
+    assert earlier not in prompts
+    warm = runner.run(prompts, WORKLOAD, earlier_prompt=earlier)
+    cold = cold_runs[STEP_NAMES[-1]]
+    assert warm.outputs == cold.outputs
+    prefix_blocks = WORKLOAD.prefix_len // CFG.block_size
+    assert warm.requests == WORKLOAD.num_requests  # the earlier request is not counted
+    assert warm.requests_hit == WORKLOAD.num_requests
+    assert warm.cached_tokens == WORKLOAD.num_requests * prefix_blocks * CFG.block_size
+    assert warm.flops < cold.flops
+    assert warm.blocks_peak > cold.blocks_peak  # + the earlier request's cached blocks
+
+
+def test_hf_dense_cache_formula_matches_its_real_cache() -> None:
+    """``dense_kv_bytes`` against the cache ``generate`` really returns."""
+    pytest.importorskip("transformers")
+    from common.hf import hf_llama
+
+    cfg = preset("tiny", num_kv_heads=2)
+    model = hf_llama(cfg)
+    batch, prompt_len, new_tokens = 3, 9, 5
+    ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=torch.Generator())
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            return_dict_in_generate=True,
+        )
+    cache = out["cache"] if "cache" in out else out["past_key_values"]  # renamed in transformers 5
+    tensors = cache_tensors(cache)
+    assert len(tensors) == 2 * cfg.num_layers
+    real = sum(t.nbytes for t in tensors)
+    assert real == dense_kv_bytes(cfg, batch, prompt_len, new_tokens)
+
+
+def cache_tensors(cache: object) -> list[torch.Tensor]:
+    """Every K and V tensor of HF's ``DynamicCache`` (per-layer objects since transformers 5,
+    two lists before)."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return [t for layer in layers for t in (layer.keys, layer.values)]
+    return [*cache.key_cache, *cache.value_cache]
+
+
+# ---- the statistic and the flag -------------------------------------------------------------
+
+
+def row(name: str, seconds: list[float], flops: int = 2 * 10**9) -> showcase.Row:
+    result = RunResult([[1]], min(seconds), 4, 3, 160, 96, 64, 12, 8, 8 * 2**20, flops)
+    return showcase.Row(name, "what it fixed", seconds, result, new_tokens=16)
+
+
+def test_a_row_is_its_fastest_run_and_flagged_when_runs_are_far_apart() -> None:
+    steady, noisy = row("steady", [1.2, 1.0, 1.5]), row("noisy", [2.0, 3.1, 2.2])
+    assert (steady.best, steady.median, steady.spread) == (1.0, 1.2, 1.5)
+    assert not steady.flagged  # exactly 1.5x apart is still within the threshold
+    assert noisy.best == 2.0 and noisy.flagged
+    assert steady.tokens_per_second == 16.0 and steady.gflops_per_second == 2.0
+    lines = report.table([steady, noisy], []).splitlines()
+    assert lines[3].split("|")[3].strip() == "1.000"
+    assert lines[4].split("|")[3].strip() == "2.000!"
+    assert lines[4].split("|")[5].strip() == "0.50x"  # speeds from the fastest runs
+    text = report.notes([steady, noisy], CFG, WORKLOAD, 3, 100.0)
+    assert "runs more than 1.5x apart (slowest / fastest): noisy." in text
+
+
+def test_notes_state_both_kv_formulas() -> None:
+    text = report.notes([row("a", [1.0])], CFG, WORKLOAD, 1, 100.0).replace("\n", " ")
+    kib = paged_kv_bytes(CFG, 1) / 1024
+    assert f"blocks_peak x {kib:g} KiB" in text
+    positions = WORKLOAD.prefix_len + WORKLOAD.tail_len + WORKLOAD.max_new_tokens - 1
+    assert f"dense cache of {WORKLOAD.num_requests} x {positions} positions" in text
+    assert "apart" not in text  # no flagged row, no warning
+
+
+def test_table_and_json_carry_memory_and_flops(tmp_path) -> None:
+    rows = [row("step14", [2.0]), row("step14_7", [1.0])]
+    lines = report.table(rows, []).splitlines()
+    titles = [cell.strip() for cell in lines[1].split("|")]
+    cells = dict(zip(titles, (c.strip() for c in lines[3].split("|"))))
+    assert cells["peak KV MiB"] == "8.00" and cells["GFLOP"] == "2.00"
+    assert cells["computed tokens"] == "64 + 12" and cells["prefix reuse"] == "60%"
+    args = SimpleNamespace(repeats=1, model="tiny")
+    report.save(str(tmp_path), CFG, WORKLOAD, args, rows, [], True, 123.0)
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["statistic"] == "min" and data["machine"]["matmul_gflops"] == 123.0
+    assert data["kv_bytes_per_block"] == paged_kv_bytes(CFG, 1)
+    first = data["rows"][0]
+    assert first["kv_peak_mib"] == 8.0 and first["flops"] == 2 * 10**9
+    assert first["min_s"] == 2.0 and first["flagged"] is False
+
+
+def test_step_runner_takes_a_checkpoint_s_weights(step: ModuleType) -> None:
+    """A seedless cfg builds shapes only; the given weights fill them (shared, not copied)."""
+    from common.weights import make_state_dict
+
+    # in the model's dtype already, as load_checkpoint hands them out
+    weights = {name: w.to(CFG.dtype) for name, w in make_state_dict(CFG).items()}
+    runner = StepRunner(step.__name__, CFG.replace(seed=None), weights)
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert runner.model.state_dict()[name].data_ptr() == weights[name].data_ptr()
