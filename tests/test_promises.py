@@ -543,6 +543,31 @@ def test_ref_count_problems_reports_what_is_broken(make_engine: EngineFactory) -
     assert engine.ref_count_problems() == []
 
 
+def test_model_calls_per_round(make_engine: EngineFactory, step: ModuleType) -> None:
+    """step14 to step14_6 call the model once per scheduled sequence per round; step14_7 makes
+    one forward_batched call per round for all of them, and never calls forward."""
+    engine = make_engine(max_running=3)
+    calls = {"forward": 0, "forward_batched": 0}
+    for name in calls:
+        real = getattr(engine.model, name, None)
+        if real is None:
+            continue
+
+        def counting(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        setattr(engine.model, name, counting)
+    log = log_schedules(engine)
+    prompts = [tokens(600 + i, n) for i, n in enumerate((9, 2, 5, 12))]
+    assert engine.generate(prompts, 4) == reference_tokens(CFG, prompts, 4)
+    scheduled = sum(len(prefill) + len(decode) for prefill, decode in log)
+    if hasattr(step.TinyTransformerPaged, "forward_batched"):
+        assert calls == {"forward": 0, "forward_batched": len(log)}
+    else:
+        assert calls == {"forward": scheduled, "forward_batched": 0}
+
+
 # ---- forward_batched (step14_7): every write before any read, per layer ----------------------
 
 
