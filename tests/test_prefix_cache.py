@@ -284,16 +284,23 @@ def test_disabled_cache_never_hits(make_engine) -> None:
 
 
 def test_block_stats_in_flight_and_at_rest(make_engine) -> None:
-    """Running requests hold blocks (blocks_used > 0); once done, free + cached = total."""
+    """Exact block figures. Three requests behind a 2-block prefix, with 3-token tails, start
+    together: in round one the first computes block 0, the second adopts it and computes block
+    1, the third adopts both and prefills its tail into a block of its own; 3 blocks in use, 2
+    of them cached. At rest each request has left its third block (tail + first output token,
+    full) in the cache besides the shared two, and the partial fourth is free again."""
     engine = make_engine()
+    total = engine.block_manager.total_blocks
     prompts = shared_prefix_prompts(3, 2 * BS, 3, VOCAB)
     for prompt in prompts:
         engine.add_request(prompt, 4)
     engine.step()
-    assert engine.stats.blocks_used > 0
+    stats = engine.stats
+    assert (stats.blocks_used, stats.blocks_cached, stats.blocks_free) == (3, 2, total - 3)
     while engine.has_work:
         engine.step()
-    assert engine.stats.blocks_cached > 0
+    stats = engine.stats
+    assert (stats.blocks_used, stats.blocks_cached, stats.blocks_free) == (0, 5, total - 5)
     assert_at_rest(engine)
 
 
