@@ -287,3 +287,16 @@ def test_numpy_is_a_dependency() -> None:
     """Without numpy, torch prints "Failed to initialize NumPy" on every command."""
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert re.search(r'^dependencies = \[[^\]]*"numpy', pyproject, re.MULTILINE)
+
+
+def test_a_step_stands_without_the_bench_package() -> None:
+    """``python -m <step>.run`` imports its flag checks from common/, never from bench/."""
+    code = (
+        f"import sys, {STEP_NAMES[-1]}.run; "
+        "print([m for m in sys.modules if m == 'bench' or m.startswith('bench.')])"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
