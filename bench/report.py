@@ -23,6 +23,11 @@ if TYPE_CHECKING:
 
 # Rows whose slowest run took more than this many times their fastest are flagged "!".
 SPREAD_FLAG = 1.5
+# What to do about a flagged row, with one torch thread and with several.
+RERUN_HINT = {
+    False: "rerun it when the machine is quieter (--steps names a few rows).",
+    True: "rerun with --threads 1 (several threads wait for each other on a busy machine).",
+}
 
 
 # A reference check slower than this gets a hint that --no-reference skips it.
@@ -155,11 +160,11 @@ def notes(
         f"against this machine's {machine_gflops:.1f} on a plain matmul: far below it, a row is "
         "bound by overhead, not arithmetic.",
     ]
-    flagged = [r.name for r in rows if r.flagged]
+    flagged, threads = [r.name for r in rows if r.flagged], torch.get_num_threads()
     if flagged:
         lines.append(
             f"! runs more than {SPREAD_FLAG}x apart (slowest / fastest): {', '.join(flagged)}. "
-            "The machine was busy; its min s may still be too high: rerun, with --threads 1."
+            f"The machine was busy; its min s may still be too high: {RERUN_HINT[threads > 1]}"
         )
     return "\n".join(lines) + "\n"
 

@@ -253,7 +253,7 @@ def measure(
         seconds.append(result.seconds)
         print(f" {result.seconds:6.2f}s", end="", flush=True)
     row = Row(name, fixes, seconds, result, new_tokens)
-    print(f"  ! {row.spread:.1f}x apart" if row.flagged else "")
+    print(f"  ! {row.spread:.2f}x apart" if row.flagged else "")
     return row
 
 

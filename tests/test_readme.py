@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import showcase
+from bench import report, showcase
+from bench.harness import RunResult
 from common.steps import available_steps, load_step
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -79,3 +80,14 @@ def test_every_engine_stats_field_is_documented() -> None:
     assert {"computed_prefill_tokens", "computed_tokens", "hit_rate"} <= set(names)
     for name in names:
         assert f"| `{name}` |" in TEXT, f"EngineStats.{name} is not in the README's table"
+
+
+def test_every_bench_column_is_explained() -> None:
+    """The README's table of ``python -m bench`` columns names every column the showcase
+    prints, so a new column cannot land unexplained."""
+    row = showcase.Row("step14", "baseline", [1.0], RunResult([[1]], 1.0), new_tokens=1)
+    header = report.table([row], []).splitlines()[1]
+    titles = [cell.strip() for cell in header.split("|")[3:-1]]  # after step, what it fixed
+    assert "peak KV MiB" in titles and "GFLOP/s" in titles
+    for title in titles:
+        assert f"`{title}`" in TEXT, f"the README does not explain the column {title!r}"
