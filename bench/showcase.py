@@ -28,7 +28,8 @@ from .hf import hf_runner
 ALL_STEPS = "all"
 
 # torch CPU threads unless --threads says otherwise. Measured on a shared 2-core VM (README,
-# Benchmarks): one thread is as fast as two when the machine is busy and far steadier.
+# Benchmarks): two threads were 1.5x faster on the batched rows while the machine was quiet, and
+# up to 100x slower while another program was running; one thread stays steady.
 DEFAULT_THREADS = 1
 
 DESCRIPTION = f"""\
