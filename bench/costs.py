@@ -137,7 +137,7 @@ def counting(model: torch.nn.Module) -> Iterator[TokenWork]:
             del model.forward_batched
 
 
-def matmul_gflops(device: str = "cpu", n: int = MATMUL_N, repeats: int = 5) -> float:
+def matmul_gflops(device: str = "cpu", n: int = MATMUL_N, repeats: int = 10) -> float:
     """The machine's arithmetic rate: the best of ``repeats`` float32 ``n x n`` matmuls, in
     GFLOP/s, at torch's current thread count. About the most any row could reach: the model's
     own matmuls are smaller (tens to hundreds of rows), so even a row with no overhead stays
@@ -147,9 +147,15 @@ def matmul_gflops(device: str = "cpu", n: int = MATMUL_N, repeats: int = 5) -> f
     torch.mm(a, b)  # first call: allocation and kernel selection, not timed
     best = float("inf")
     for _ in range(repeats):
+        wait_for(device)  # a GPU runs asynchronously: time only this matmul
         start = time.perf_counter()
         torch.mm(a, b)
-        if device != "cpu":
-            torch.cuda.synchronize()
+        wait_for(device)
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best / 1e9
+
+
+def wait_for(device: str) -> None:
+    """Block until ``device`` has finished its queued work (a no-op on the CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
