@@ -99,8 +99,9 @@ class PagedPrefixCacheEngine:
         self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None = None
     ) -> list[list[int]]:
         """Serve all prompts together (continuous batching); returns generated ids per prompt."""
-        for prompt in prompts:  # all or nothing: validate every prompt before queueing any
-            self._validate(prompt, max_new_tokens, eos_token_id)
+        # All or nothing: validate every prompt before queueing any, then queue the validated
+        # lists (a prompt given as a one-shot iterator could not be read twice).
+        prompts = [self._validate(p, max_new_tokens, eos_token_id) for p in prompts]
         ids = [self.add_request(p, max_new_tokens, eos_token_id) for p in prompts]
         while self.has_work:
             self.step()
@@ -117,8 +118,7 @@ class PagedPrefixCacheEngine:
         self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None = None
     ) -> list[list[int]]:
         """Serve prompts one at a time, through the same engine and cache."""
-        for prompt in prompts:
-            self._validate(prompt, max_new_tokens, eos_token_id)
+        prompts = [self._validate(p, max_new_tokens, eos_token_id) for p in prompts]
         return [self.generate([p], max_new_tokens, eos_token_id)[0] for p in prompts]
 
     @property

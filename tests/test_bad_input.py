@@ -202,13 +202,6 @@ def test_a_bool_is_not_an_integer_anywhere(make_engine: EngineFactory, bad: BadR
     assert not engine.has_work
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="generate validates every prompt, then add_request validates it again: a one-shot "
-    "iterable is empty the second time, so a good prompt is refused as 'prompt is empty' "
-    "after the prompts before it were queued (all or nothing broken). Fix: queue the lists "
-    "that the first validation returned.",
-)
 @pytest.mark.parametrize("serial", [False, True], ids=["generate", "generate_serial"])
 def test_a_one_shot_iterable_prompt_is_served_or_refused_whole(
     make_engine: EngineFactory, serial: bool
