@@ -115,11 +115,11 @@ def counting(model: torch.nn.Module) -> Iterator[TokenWork]:
     """
     work = TokenWork()
 
-    def one(module: torch.nn.Module, args: tuple) -> None:
-        chunk_ids, _, start = args
-        work.add_chunk(int(start), len(chunk_ids))
+    def one(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        call = dict(zip(("chunk_ids", "block_table", "start_pos"), args), **kwargs)
+        work.add_chunk(int(call["start_pos"]), len(call["chunk_ids"]))
 
-    hook = model.register_forward_pre_hook(one)
+    hook = model.register_forward_pre_hook(one, with_kwargs=True)
     batched = getattr(model, "forward_batched", None)
     if batched is not None:
 

@@ -103,6 +103,14 @@ def test_counting_leaves_the_model_as_it_was(step_name: str) -> None:
     assert "forward_batched" not in vars(model) and not model._forward_pre_hooks
 
 
+def test_a_forward_call_is_counted_by_position_or_keyword() -> None:
+    model = StepRunner(STEP_NAMES[0], CFG).model
+    with counting(model) as work:
+        model([1, 2, 3], [0], 0)
+        model(chunk_ids=[4], block_table=[0], start_pos=3)
+    assert (work.tokens, work.context) == (4, 1 + 2 + 3 + 4)
+
+
 def test_without_the_cache_the_engine_does_hf_s_work() -> None:
     """Cache off, every prompt token is computed, as by a dense generate: the same formula
     gives the same FLOPs for both rows."""
