@@ -53,7 +53,7 @@ def header(
         f"block_size={cfg.block_size}, {cfg.total_blocks} blocks, {cfg.device}, "
         f"{dtype_name(cfg)}; torch {torch.__version__}, {threads}\n"
         f"this machine: {machine_gflops:.1f} GFLOP/s on a {MATMUL_N}x{MATMUL_N} float32 matmul "
-        f"({threads}): what arithmetic alone could reach\n"
+        "at that thread count: what arithmetic alone could reach\n"
         f"{plural(repeats, 'run')} per row, each through a fresh engine (a cold cache unless "
         "the row says warm):"
     )

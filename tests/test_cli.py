@@ -239,6 +239,7 @@ def test_header_counts_in_good_english(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(report.torch, "get_num_threads", lambda: 1)
     one = report.header(preset("tiny"), Workload(), 1, "tiny", machine_gflops=81.25)
     assert "1 thread\n" in one and "1 run per row" in one and "threads" not in one
+    assert one.count("1 thread") == 1  # said once
     assert "81.2 GFLOP/s on a 1024x1024 float32 matmul" in one and "model tiny:" in one
     monkeypatch.setattr(report.torch, "get_num_threads", lambda: 2)
     assert "2 threads" in report.header(preset("tiny"), Workload(), 3, "tiny", 1.0)
