@@ -211,8 +211,12 @@ MUTANTS = [
       "return self._outputs.pop(request_id)", "return self._outputs[request_id]",
       "an output can be taken twice"),
     M("s14-eng-serial-validate", "step14", "engine.py",
-      "        for prompt in prompts:\n            self._validate(prompt, max_new_tokens, eos_token_id)\n        return [",
+      "        prompts = [self._validate(p, max_new_tokens, eos_token_id) for p in prompts]\n        return [",
       "        return [", "generate_serial serves good prompts before a bad one"),
+    M("s14-eng-generate-revalidate", "step14", "engine.py",
+      "        prompts = [self._validate(p, max_new_tokens, eos_token_id) for p in prompts]\n        ids =",
+      "        for p in prompts:\n            self._validate(p, max_new_tokens, eos_token_id)\n        ids =",
+      "generate queues the prompts as given, so a one-shot iterator is read twice"),
     M("s14-eng-validate-pool", "step14", "engine.py",
       "if need > self.block_manager.total_blocks:", "if need >= self.block_manager.total_blocks:",
       "a request that needs the whole pool is refused"),
@@ -429,7 +433,11 @@ def main(argv: list[str] | None = None) -> int:
                 tar.extractall(root, filter="data")
         if args.list:
             for m in mutants:
-                original = plant(root, m)
+                try:
+                    original = plant(root, m)
+                except LookupError as error:
+                    print(f"{m.id:28} stale: {error}")
+                    continue
                 (root / m.step / m.file).write_text(original)
                 print(f"{m.id:28} {m.step}/{m.file:16} {m.what}")
             return 0
