@@ -2,8 +2,9 @@
 
 Each seed draws a whole scenario — prompts with shared prefixes, block size, a pool from barely
 enough to roomy, max_running, max_new_tokens, cache on or off, batched or serial, sometimes a
-second (hot) round on the same engine — so that combinations nobody thought to write by hand
-(one-token prompts, full-prompt hits, evictions mid-run, exact block multiples) are covered.
+second (hot) round on the same engine, sometimes an eos that some requests really produce — so
+that combinations nobody thought to write by hand (one-token prompts, full-prompt hits,
+evictions mid-run, exact block multiples, early stops) are covered.
 The reference for a seed is computed once and shared by every step, and so are step14's
 ``EngineStats``: every later step must report exactly the same figures (batching changes speed,
 never sharing). Those figures are also checked against an independent model of the design's
@@ -14,7 +15,6 @@ pinned exactly, hot rounds after evictions included.
 
 from __future__ import annotations
 
-import math
 import random
 from collections import Counter, OrderedDict, deque
 from dataclasses import asdict, dataclass, field
@@ -28,15 +28,14 @@ from common.hashing import hash_prefix_blocks
 from common.steps import load_step
 from common.workload import random_shared_prefix_prompts
 from tests.conftest import (
-    STEP_NAMES,
     EngineFactory,
     blocks_needed,
     reference_tokens,
     tiny_config,
 )
 
-# At least 300 scenarios in all, however many steps exist (ceil(320 / 8) = 40 per step).
-SEEDS_PER_STEP = math.ceil(320 / len(STEP_NAMES))
+# 320 distinct scenarios, every one run through every step (about a minute for all eight).
+SEEDS = 320
 
 
 @dataclass(frozen=True)
@@ -49,6 +48,9 @@ class Scenario:
     enable_prefix_cache: bool
     serial: bool
     hot_round: bool
+    # (prompt, output position) of a token the reference generates, used as the eos id, so
+    # that requests really do stop early; None: no eos.
+    eos_pick: tuple[int, int] | None = None
 
     @property
     def cfg(self) -> ModelConfig:
@@ -81,20 +83,36 @@ def scenario(seed: int) -> Scenario:
         enable_prefix_cache=rng.random() < 0.8,
         serial=rng.random() < 0.25,
         hot_round=rng.random() < 0.4,
+        eos_pick=(rng.randrange(len(prompts)), rng.randrange(max_new))
+        if rng.random() < 0.3
+        else None,
     )
 
 
 @cache
-def expected_tokens(seed: int) -> tuple[tuple[int, ...], ...]:
-    """The oracle's tokens for a seed, computed once however many steps run it."""
+def free_run_tokens(seed: int) -> tuple[tuple[int, ...], ...]:
+    """The oracle's tokens for a seed without an eos, computed once however many steps run it."""
     case = scenario(seed)
     outputs = reference_tokens(case.cfg, case.prompt_lists, case.max_new_tokens)
     return tuple(tuple(o) for o in outputs)
 
 
-def run_round(engine, case: Scenario) -> list[list[int]]:
+def eos_token_id(seed: int) -> int | None:
+    pick = scenario(seed).eos_pick
+    return None if pick is None else free_run_tokens(seed)[pick[0]][pick[1]]
+
+
+@cache
+def expected_tokens(seed: int) -> tuple[tuple[int, ...], ...]:
+    """The oracle's tokens with the scenario's eos: greedy decoding is deterministic, so each
+    output is the free run cut just after its first eos."""
+    eos = eos_token_id(seed)
+    return tuple(out[: out.index(eos) + 1] if eos in out else out for out in free_run_tokens(seed))
+
+
+def run_round(engine, case: Scenario, eos: int | None) -> list[list[int]]:
     run = engine.generate_serial if case.serial else engine.generate
-    return run(case.prompt_lists, case.max_new_tokens)
+    return run(case.prompt_lists, case.max_new_tokens, eos)
 
 
 def new_engine(step: ModuleType, case: Scenario):
@@ -112,7 +130,7 @@ def step14_stats(seed: int) -> tuple[dict, ...]:
     engine = new_engine(load_step("step14"), case)
     rounds = []
     for _ in range(2 if case.hot_round else 1):
-        run_round(engine, case)
+        run_round(engine, case, eos_token_id(seed))
         rounds.append(asdict(engine.stats))
     return tuple(rounds)
 
@@ -139,7 +157,7 @@ class ModelSeq:
 
     def append_token(self) -> None:
         self.generated += 1
-        if self.generated >= self.max_new:
+        if self.generated >= len(self.output):  # max_new tokens, or the eos that ends it
             self.state = "finished"
 
 
@@ -357,7 +375,7 @@ def assert_stats_consistent(engine, case: Scenario, rounds: int, outputs: list[l
         assert stats.requests_hit == stats.cached_tokens == stats.blocks_cached == 0
 
 
-@pytest.mark.parametrize("seed", range(SEEDS_PER_STEP))
+@pytest.mark.parametrize("seed", range(SEEDS))
 def test_random_scenario_matches_reference(make_engine: EngineFactory, seed: int) -> None:
     """Whatever the memory, batching and cache settings, the tokens are the reference's."""
     case = scenario(seed)
@@ -365,11 +383,11 @@ def test_random_scenario_matches_reference(make_engine: EngineFactory, seed: int
         case.cfg, max_running=case.max_running, enable_prefix_cache=case.enable_prefix_cache
     )
     expected = [list(o) for o in expected_tokens(seed)]
-    assert run_round(engine, case) == expected
+    assert run_round(engine, case, eos_token_id(seed)) == expected
     stats = [asdict(engine.stats)]
     if case.hot_round:
         hits_before = engine.stats.requests_hit
-        assert run_round(engine, case) == expected
+        assert run_round(engine, case, eos_token_id(seed)) == expected
         stats.append(asdict(engine.stats))
         assert_hot_round_hits(engine, case, engine.stats.requests_hit - hits_before)
     assert_stats_consistent(engine, case, len(stats), expected)
