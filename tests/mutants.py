@@ -6,9 +6,9 @@ mutant that survives names a promise no test pins. Nothing here touches the work
 repository is copied to a temporary directory, and each mutant is planted in that copy and
 undone before the next.
 
-    .venv/bin/python -m tests.mutants                  # every mutant (about half an hour)
-    .venv/bin/python -m tests.mutants --only s14-sched  # ids starting with a prefix
-    .venv/bin/python -m tests.mutants --list            # the mutants, checked against the code
+    python -m tests.mutants                  # every mutant (about half an hour)
+    python -m tests.mutants --only s14-sched  # ids starting with a prefix
+    python -m tests.mutants --list            # the mutants, checked against the code
 
 A mutant counts as killed when the step's tests fail (or run past ``--timeout``). "That step's
 tests" are the tests whose ``step`` (or ``step_name``) parameter is the mutated step;
