@@ -190,23 +190,24 @@ class TinyTransformerPaged(CausalLM):
     ) -> torch.Tensor:
         """Causal attention of the chunk's queries ``[T, H, d_head]`` over the whole context.
 
-        Heads are independent, so they become batch dimensions of one batched matmul. Query
-        heads are grouped by the K/V head they read (head ``h`` is member ``h % group`` of group
-        ``h // group``), and each K/V head is broadcast over its group:
-        ``[KV, group, T, d_head] @ [KV, 1, d_head, S] -> [KV, group, T, S]`` scores,
-        ``[KV, group, T, S] @ [KV, 1, S, d_head]`` outputs. Each head's numbers are the ones the
-        per-head loop computed.
+        Heads are independent, so they become the batch dimension of one batched matmul. The
+        ``group`` query heads that read one K/V head (head ``h`` reads K/V head ``h // group``)
+        are stacked as the rows of one matrix, so each K/V head is read once and never copied
+        per query head: ``[KV, group*T, d_head] @ [KV, d_head, S]`` scores (seen as
+        ``[KV, group, T, S]`` for the mask), ``[KV, group*T, S] @ [KV, S, d_head]`` outputs.
+        Each head's numbers are the ones the per-head loop computed.
         """
         mask = self._causal_mask(q.shape[0], start_pos)
         scale = 1.0 / math.sqrt(self.cfg.d_head)
         group = self.cfg.num_queries_per_kv
-        q_h = q.transpose(0, 1).unflatten(0, (-1, group))  # [KV, group, T, d_head]
-        k_h, v_h = keys.transpose(0, 1)[:, None], values.transpose(0, 1)[:, None]  # [KV, 1, S, d]
-        scores = q_h @ k_h.transpose(-1, -2) * scale
+        q_h = q.transpose(0, 1).unflatten(0, (-1, group)).flatten(1, 2)  # [KV, group*T, d_head]
+        k_h, v_h = keys.transpose(0, 1), values.transpose(0, 1)  # [KV, S, d_head]
+        scores = (q_h @ k_h.transpose(1, 2)).unflatten(1, (group, -1)) * scale  # [KV, group, T, S]
         if mask is not None:
             scores = scores + mask  # the mask broadcasts over heads
         probs = scores.to(compute_dtype(q.dtype)).softmax(dim=-1).to(q.dtype)
-        return (probs @ v_h).flatten(0, 1).transpose(0, 1)  # [H, T, d_head] -> [T, H, d_head]
+        out = probs.flatten(1, 2) @ v_h  # [KV, group*T, d_head]
+        return out.unflatten(1, (group, -1)).flatten(0, 1).transpose(0, 1)  # [T, H, d_head]
 
     def _causal_mask(self, num_queries: int, start_pos: int) -> torch.Tensor | None:
         """Additive mask ``[T, start_pos+T]``: query i (at start_pos+i) sees keys 0..start_pos+i.
