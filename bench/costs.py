@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 
 from common.config import ModelConfig
-from common.text import kv_bytes_per_block
 
 MIB = 2**20
 MATMUL_N = 1024  # the side of the square float32 matmul that measures the machine
@@ -90,7 +89,7 @@ def dense_work(batch: int, prompt_len: int, new_tokens: int) -> TokenWork:
 def paged_kv_bytes(cfg: ModelConfig, blocks: int) -> int:
     """The KV memory of ``blocks`` paged blocks: each holds K and V for ``block_size`` tokens in
     every layer (``2 x num_layers x block_size x num_kv_heads x d_head x dtype bytes``)."""
-    return blocks * kv_bytes_per_block(cfg)
+    return blocks * cfg.block_size * cfg.kv_bytes_per_token()
 
 
 def dense_kv_bytes(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: int) -> int:
@@ -98,9 +97,7 @@ def dense_kv_bytes(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: in
     positions = ``prompt_len + new_tokens - 1`` (every token but the last new one), each holding
     K and V of every layer: ``2 x num_layers x num_kv_heads x d_head x dtype bytes``. Nothing is
     shared: each sequence stores its own copy of a common prefix."""
-    itemsize = torch.empty((), dtype=cfg.dtype).element_size()
-    per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.d_head * itemsize
-    return batch * (prompt_len + new_tokens - 1) * per_position
+    return batch * (prompt_len + new_tokens - 1) * cfg.kv_bytes_per_token()
 
 
 @contextmanager

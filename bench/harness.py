@@ -12,7 +12,7 @@ from common.config import ModelConfig, preset
 from common.steps import load_step
 from common.workload import bench_prompts
 
-from .costs import counting, model_flops, paged_kv_bytes
+from .costs import counting, model_flops, paged_kv_bytes, wait_for
 
 
 @dataclass(frozen=True)
@@ -122,8 +122,7 @@ class StepRunner:
             start = time.perf_counter()
             with torch.inference_mode():
                 outputs = engine.generate(prompts, workload.max_new_tokens)
-            if self.model.cfg.device != "cpu":
-                torch.cuda.synchronize()
+            wait_for(self.model.cfg.device)
             seconds = time.perf_counter() - start
         work.sampled = sum(len(ids) for ids in outputs)
         s, cfg = engine.stats, self.model.cfg

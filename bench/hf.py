@@ -15,7 +15,7 @@ import torch
 from common.config import ModelConfig
 from common.hf import hf_llama
 
-from .costs import dense_kv_bytes, dense_work, model_flops
+from .costs import dense_kv_bytes, dense_work, model_flops, wait_for
 from .harness import RunResult, Workload
 
 
@@ -62,8 +62,7 @@ def hf_runner(
                 do_sample=False,
                 attention_mask=torch.ones_like(input_ids),
             )
-        if cfg.device != "cpu":
-            torch.cuda.synchronize()
+        wait_for(cfg.device)
         seconds = time.perf_counter() - start
         return RunResult(
             out[:, prompt_len:].tolist(),

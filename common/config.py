@@ -114,6 +114,15 @@ class ModelConfig:
         assert self.num_kv_heads is not None  # resolved in __post_init__
         return self.num_heads // self.num_kv_heads
 
+    def kv_bytes_per_token(self, kv_heads: int | None = None) -> int:
+        """K and V of one token position in every layer: what any KV cache stores per token,
+        paged (``x block_size`` per block) or dense (``x positions``). Grouped-query attention
+        shrinks it by storing ``num_kv_heads`` heads, not ``num_heads`` (``kv_heads`` overrides
+        them, to show what a model without GQA would need)."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        heads = self.num_kv_heads if kv_heads is None else kv_heads
+        return 2 * self.num_layers * heads * self.d_head * itemsize
+
     def replace(self, **changes: object) -> ModelConfig:
         """A copy with some fields changed; derived defaults follow the fields they come from
         (``tiny.replace(num_heads=8)`` still has 8 K/V heads, not tiny's 4)."""

@@ -165,9 +165,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def kv_bytes_per_block(cfg: ModelConfig, kv_heads: int | None = None) -> int:
     """K and V of one block, all layers: what grouped-query attention shrinks."""
-    itemsize = torch.empty((), dtype=cfg.dtype).element_size()
-    heads = cfg.num_kv_heads if kv_heads is None else kv_heads
-    return 2 * cfg.num_layers * cfg.block_size * heads * cfg.d_head * itemsize
+    return cfg.block_size * cfg.kv_bytes_per_token(kv_heads)
 
 
 def describe(cfg: ModelConfig) -> list[str]:
