@@ -16,10 +16,13 @@ FIXES: dict[str, tuple[tuple[str, ...], str]] = {
     "step14_3": (("model.py",), "attention: all heads in one batched matmul"),
     "step14_4": (("model.py",), "causal mask: one broadcast compare, none for decode"),
     "step14_5": (
-        ("engine.py", "scheduler.py"),
+        ("kv_cache_manager.py", "sequence.py"),
         "hash chain kept on Sequence: each block hashed once",
     ),
-    "step14_6": (("block_manager.py", "engine.py"), "BlockManager.release(): no poking internals"),
+    "step14_6": (
+        ("block_manager.py", "kv_cache_manager.py"),
+        "BlockManager.release(): no poking internals",
+    ),
     "step14_7": (("model.py", "engine.py"), "forward_batched: one flat batch per round"),
 }
 

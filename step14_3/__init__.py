@@ -2,13 +2,16 @@
 
 from .block_manager import BlockManager, NoFreeBlocksError
 from .engine import EngineStats, PagedPrefixCacheEngine
+from .kv_cache_manager import KVCacheManager
 from .model import TinyTransformerPaged
 from .prefix_cache import PrefixCache
-from .scheduler import PagedScheduler, Sequence, SequenceStatus
+from .scheduler import PagedScheduler
+from .sequence import Sequence, SequenceStatus
 
 __all__ = [
     "BlockManager",
     "EngineStats",
+    "KVCacheManager",
     "NoFreeBlocksError",
     "PagedPrefixCacheEngine",
     "PagedScheduler",

@@ -1,65 +1,16 @@
-"""Sequence and PagedScheduler: who runs this round. No memory operation happens here.
+"""PagedScheduler: who runs this round. No memory operation happens here.
 
-The scheduler only decides; the engine owns the BlockManager and the prefix cache and does
-every allocation and free. That split is vLLM's too (its Scheduler asks a KVCacheManager).
+The scheduler only moves sequences between its queues; the engine owns the KV cache manager and
+does every allocation and free. That is the chapter's split. vLLM draws the line elsewhere: its
+``Scheduler`` calls ``KVCacheManager.allocate_slots`` and ``free`` itself.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import Enum, auto
 
-
-class SequenceStatus(Enum):
-    WAITING = auto()  # queued, no blocks yet
-    PREFILLING = auto()  # admitted; prompt being processed one block-sized chunk per round
-    RUNNING = auto()  # prompt done; one decode token per round
-    FINISHED = auto()  # max_new_tokens reached or eos produced; blocks released
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One request. ``block_table`` is its only KV state: physical block ids, in token order."""
-
-    seq_id: int
-    prompt_ids: list[int]
-    max_new_tokens: int
-    eos_token_id: int | None = None
-    generated_ids: list[int] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
-    # Entries of block_table adopted from the prefix cache (retained, not allocated). Not only
-    # leading ones: a sequence adopts whatever others cached whenever its prefill reaches it.
-    hit_block_ids: list[int] = field(default_factory=list)
-    prefill_offset: int = 0  # prompt tokens whose KV is in the pool (cached or computed)
-    status: SequenceStatus = SequenceStatus.WAITING
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.generated_ids)
-
-    @property
-    def token_ids(self) -> list[int]:
-        """Prompt and output as one stream: the hash chain runs through both."""
-        return self.prompt_ids + self.generated_ids
-
-    @property
-    def is_prefill_done(self) -> bool:
-        return self.prefill_offset >= self.prompt_len
-
-    @property
-    def last_token_id(self) -> int:
-        return self.generated_ids[-1] if self.generated_ids else self.prompt_ids[-1]
-
-    def append_token(self, token_id: int) -> None:
-        self.generated_ids.append(token_id)
-        if len(self.generated_ids) >= self.max_new_tokens or token_id == self.eos_token_id:
-            self.status = SequenceStatus.FINISHED
+from .sequence import Sequence, SequenceStatus
 
 
 class PagedScheduler:

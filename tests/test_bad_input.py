@@ -105,7 +105,7 @@ def snapshot(engine) -> tuple[object, ...]:
         engine.stats,
         len(scheduler.waiting),
         len(scheduler.running),
-        engine.block_manager.num_free,
+        engine.kv_cache_manager.block_manager.num_free,
         engine.has_work,
     )
 

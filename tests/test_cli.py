@@ -20,6 +20,7 @@ import torch
 
 from bench import report, showcase
 from bench.harness import RunResult, Workload
+from common import demo
 from common.config import preset
 from tests.conftest import STEP_NAMES
 
@@ -41,7 +42,7 @@ def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("work started before the flags were checked")
 
     monkeypatch.setattr(showcase, "StepRunner", refuse)
-    monkeypatch.setattr(DEMO, "TinyTransformerPaged", refuse)
+    monkeypatch.setattr(demo, "load_step", refuse)
 
 
 def expect_usage_error(main, argv: list[str], capsys: pytest.CaptureFixture) -> str:
@@ -162,8 +163,8 @@ def test_demo_refuses_cuda_on_a_torch_without_it(capsys) -> None:
 
 
 def test_demo_pool_just_big_enough_is_accepted() -> None:
-    need = DEMO.blocks_for_longest_request(16, 16)
-    assert DEMO.parse_args(["--total-blocks", str(need)]).total_blocks == need
+    need = demo.blocks_for_longest_request(16, 16)
+    assert demo.parse_args(STEP_NAMES[0], ["--total-blocks", str(need)]).total_blocks == need
 
 
 def help_text(main, capsys: pytest.CaptureFixture) -> str:

@@ -62,13 +62,13 @@ def engine_for(
 
 def assert_at_rest(engine, expected_requests: int) -> None:
     """No request holds a block any more: every block is free or held by the cache alone."""
-    stats, total = engine.stats, engine.block_manager.total_blocks
+    stats, total = engine.stats, engine.kv_cache_manager.block_manager.total_blocks
     assert not engine.has_work
     assert stats.blocks_used == 0
     assert stats.blocks_free + stats.blocks_cached == total
     assert stats.requests == expected_requests
     assert engine.ref_count_problems() == []
-    if engine.prefix_cache is None:
+    if engine.kv_cache_manager.prefix_cache is None:
         assert stats.blocks_cached == 0 and stats.blocks_free == total
 
 

@@ -62,13 +62,20 @@ def serve_all(engine, prompts: list[list[int]], max_new_tokens: int = 3) -> list
 
 
 def cached_block_ids(engine) -> list[int]:
-    return [b for b in range(engine.block_manager.total_blocks) if b in engine.prefix_cache]
+    return [
+        b
+        for b in range(engine.kv_cache_manager.block_manager.total_blocks)
+        if b in engine.kv_cache_manager.prefix_cache
+    ]
 
 
 def assert_at_rest(engine) -> None:
     """At rest every block is free or cached, and no request holds any."""
     stats = engine.stats
-    assert stats.blocks_free + stats.blocks_cached == engine.block_manager.total_blocks
+    assert (
+        stats.blocks_free + stats.blocks_cached
+        == engine.kv_cache_manager.block_manager.total_blocks
+    )
     assert stats.blocks_used == 0
 
 
@@ -220,7 +227,9 @@ CHAIN_A, CHAIN_B = tokens(11, 2 * BS + 1), tokens(12, 2 * BS + 1)  # 3 blocks, 2
 def cached_chain_length(engine, prompt: list[int]) -> int:
     """How many leading full blocks of ``prompt`` the cache holds, looked up without serving
     (serving could evict)."""
-    return len(engine.prefix_cache.match(hashing.hash_prefix_blocks(prompt, BS), prompt))
+    return len(
+        engine.kv_cache_manager.prefix_cache.match(hashing.hash_prefix_blocks(prompt, BS), prompt)
+    )
 
 
 def fill_pool(engine, evict: int) -> int:
@@ -290,7 +299,7 @@ def test_block_stats_in_flight_and_at_rest(make_engine) -> None:
     of them cached. At rest each request has left its third block (tail + first output token,
     full) in the cache besides the shared two, and the partial fourth is free again."""
     engine = make_engine()
-    total = engine.block_manager.total_blocks
+    total = engine.kv_cache_manager.block_manager.total_blocks
     prompts = shared_prefix_prompts(3, 2 * BS, 3, VOCAB)
     for prompt in prompts:
         engine.add_request(prompt, 4)

@@ -391,16 +391,18 @@ def test_finished_request_touches_its_blocks_tail_first(make_engine: EngineFacto
     does on its own."""
     engine = make_engine()
     touched: list[list[int]] = []
-    real = engine.prefix_cache.touch
+    real = engine.kv_cache_manager.prefix_cache.touch
 
     def touch(block_ids):
         touched.append(list(block_ids))
         return real(block_ids)
 
-    engine.prefix_cache.touch = touch
+    engine.kv_cache_manager.prefix_cache.touch = touch
     prompt = tokens(530, 3 * BS + 2)
     engine.generate([prompt], BS)
-    chain = engine.prefix_cache.match(hashing.hash_prefix_blocks(prompt, BS), prompt)
+    chain = engine.kv_cache_manager.prefix_cache.match(
+        hashing.hash_prefix_blocks(prompt, BS), prompt
+    )
     assert len(chain) == 3
     assert [b for call in touched for b in call if b in chain] == chain[::-1]
 
@@ -483,7 +485,7 @@ def test_sequence_moves_waiting_prefilling_running_finished(make_engine: EngineF
 
 def test_sequence_unit(step: ModuleType) -> None:
     """Sequence's own bookkeeping: token stream, last token, prefill done, when it finishes."""
-    seq = step.Sequence(0, [1, 2, 3], max_new_tokens=3, eos_token_id=9)
+    seq = step.Sequence(0, [1, 2, 3], max_new_tokens=3, eos_token_ids=frozenset({9, 7}))
     assert (seq.prompt_len, seq.num_tokens, seq.last_token_id) == (3, 3, 3)
     assert not seq.is_prefill_done
     seq.prefill_offset = 3
@@ -526,16 +528,16 @@ def test_ref_count_problems_reports_what_is_broken(make_engine: EngineFactory) -
     engine = make_engine()
     engine.generate([tokens(570, BS + 1)], 1)
     assert engine.ref_count_problems() == []
-    (cached,) = [b for b in range(CFG.total_blocks) if b in engine.prefix_cache]
-    engine.block_manager.retain(cached)
+    (cached,) = [b for b in range(CFG.total_blocks) if b in engine.kv_cache_manager.prefix_cache]
+    engine.kv_cache_manager.block_manager.retain(cached)
     problems = engine.ref_count_problems()
     assert len(problems) == 1 and f"block {cached}" in problems[0]
-    engine.block_manager.free([cached])
-    (leaked,) = engine.block_manager.allocate(1)
+    engine.kv_cache_manager.block_manager.free([cached])
+    (leaked,) = engine.kv_cache_manager.block_manager.allocate(1)
     problems = engine.ref_count_problems()
     assert any(f"block {leaked}" in p for p in problems)
     assert any("free" in p and "cached" in p for p in problems)
-    engine.block_manager.free([leaked])
+    engine.kv_cache_manager.block_manager.free([leaked])
     engine.add_request([1], 1)
     assert engine.ref_count_problems() == ["engine is not at rest"]
     run_rounds(engine)

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from common import demo
 from tests.conftest import STEP_NAMES
 
 ROUND = re.compile(
@@ -66,12 +67,11 @@ def test_demo_without_decode_says_only_what_prefill_saved(capsys) -> None:
 
 
 def test_token_check_requires_identity_in_float32_and_counts_in_half() -> None:
-    run = importlib.import_module(f"{STEP_NAMES[0]}.run")
     same, differ = [[1, 2], [3, 4]], [[1, 2], [3, 5]]
-    assert run.token_check("Same", same, same, exact=True) == (True, "Same ✅")
-    assert run.token_check("Same", same, same, exact=False) == (True, "Same ✅")
-    assert run.token_check("Same", differ, same, exact=True) == (False, "Same ❌")
-    assert run.token_check("Same", differ, same, exact=False) == (True, "Same: 1/2 requests ⚠️")
+    assert demo.token_check("Same", same, same, exact=True) == (True, "Same ✅")
+    assert demo.token_check("Same", same, same, exact=False) == (True, "Same ✅")
+    assert demo.token_check("Same", differ, same, exact=True) == (False, "Same ❌")
+    assert demo.token_check("Same", differ, same, exact=False) == (True, "Same: 1/2 requests ⚠️")
 
 
 def test_demo_in_float16_reports_mismatches_and_says_why(capsys) -> None:

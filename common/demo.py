@@ -1,0 +1,282 @@
+"""The demo of the chapter "Paged Prefix Cache", for any step: ``python -m <step>.run`` calls
+``main`` with its own step's name (``--help`` for the flags). It lives here, not in the steps,
+because it is the same for all of them: only the step's classes differ.
+
+Ten requests share a prefix. Served one at a time through one engine, the first misses and
+caches the prefix and the other nine hit it (cold round, 9/10); served again, all ten hit (hot
+round, 10/10). A third round with the prefix cache off shows what the cache saves. Outputs must
+not change, and at rest every block must be free or cached. Then the same requests go through
+the batched engine, which must give the same tokens.
+
+With ``--model DIR`` (a local Hugging Face Llama checkpoint) it serves real text instead:
+``--prompt`` requests behind a shared ``--system`` prompt (``common/text.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+import time
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from .cli import HelpFormatter, device_name, dtype_name, non_negative_int, positive_int, seed_int
+from .config import DTYPES, PRESETS, ModelConfig, preset
+from .inputs import blocks_for_request
+from .reference import ReferenceModel, reference_generate
+from .steps import load_step
+from .text import add_model_args, run_text
+from .workload import demo_prompts
+
+DESCRIPTION = """\
+The demo of the chapter "Paged Prefix Cache": paged KV blocks with a block-granular prefix
+cache, chunked prefill and continuous batching in one engine.
+
+Ten requests share a 3-block prefix. Served one at a time, the first misses and caches the
+prefix and the other nine hit it (cold round, 9/10); served again, all ten hit (hot round,
+10/10); a round with the prefix cache off shows what the cache saves. Then the batched engine
+serves them together. Every round must produce the same tokens as the dense reference model.
+
+With --model DIR (a local Hugging Face Llama checkpoint: config.json, *.safetensors,
+tokenizer.json) it serves real text instead: each --prompt behind the shared --system prompt,
+through this step's engine; --seed then has no use, the other flags keep their meaning.
+"""
+
+Generate = Callable[[list[list[int]], int], list[list[int]]]
+
+
+def parse_args(step_name: str, argv: list[str] | None) -> argparse.Namespace:
+    """The flags, every value checked here: a bad one exits 2 with one ``error:`` line."""
+    p = argparse.ArgumentParser(
+        prog=f"python -m {step_name}.run", description=DESCRIPTION, formatter_class=HelpFormatter
+    )
+    p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", type=dtype_name, default="float32", help=", ".join(DTYPES))
+    p.add_argument(
+        "--block-size", type=positive_int, default=16, metavar="N", help="tokens per KV block"
+    )
+    p.add_argument(
+        "--total-blocks", type=positive_int, default=512, metavar="N", help="KV blocks in the pool"
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=16,
+        metavar="N",
+        help="tokens generated per request",
+    )
+    p.add_argument(
+        "--max-running",
+        type=positive_int,
+        default=4,
+        metavar="N",
+        help="the batched engine's running set",
+    )
+    p.add_argument(
+        "--seed", type=seed_int, default=0, metavar="N", help="seed of the model's random weights"
+    )
+    p.add_argument(
+        "--threads",
+        type=non_negative_int,
+        default=1,
+        metavar="N",
+        help="torch CPU threads (0: torch's default); one suits the small demo model and "
+        "keeps its timings steady on a busy machine; a real --model wants 0",
+    )
+    add_model_args(p)
+    args = p.parse_args(argv)
+    if args.model is not None:
+        return args  # real text: the engine refuses a request the pool could never hold
+    if args.system is not None or args.prompt:
+        p.error("--system and --prompt need --model DIR (a checkpoint): the demo has its own")
+    need = blocks_for_longest_request(args.block_size, args.max_new_tokens)
+    if args.total_blocks < need:
+        p.error(
+            f"--total-blocks {args.total_blocks} is too small: the longest demo request needs "
+            f"{need} blocks of {args.block_size} tokens"
+        )
+    return args
+
+
+def blocks_for_longest_request(block_size: int, max_new_tokens: int) -> int:
+    """The smallest pool that can serve the demo: a request holds its blocks for its whole life
+    (every token whose KV is written; the last generated token never is)."""
+    longest = max(len(p) for p in demo_prompts(PRESETS["demo"].vocab_size, block_size))
+    return blocks_for_request(longest, max_new_tokens, block_size)
+
+
+def mark(ok: bool) -> str:
+    return "✅" if ok else "❌"
+
+
+# Token-for-token equality is a promise in these dtypes (the weights are drawn so that top-1 and
+# top-2 logits are far apart compared with float32 rounding).
+EXACT_DTYPES = (torch.float32, torch.float64)
+WARNING = "⚠️"
+
+REDUCED_PRECISION_NOTE = """\
+In {dtype}, the same sums done in another order (a whole prompt or block by block, one sequence
+or a batch) round differently and can flip a near-tie between two tokens, after which the outputs
+diverge: the token checks marked ⚠️ count matches instead of requiring them. Exact parity is what
+float32 and float64 check."""
+
+
+def token_check(
+    text: str, got: list[list[int]], want: list[list[int]], exact: bool
+) -> tuple[bool, str]:
+    """``(passed, line)``: ``got`` must equal ``want`` request by request; in a reduced precision
+    (``exact=False``) a mismatch is reported as a count and does not fail the demo."""
+    same = sum(a == b for a, b in zip(got, want, strict=True))
+    ok = same == len(want)
+    if ok or exact:
+        return ok, f"{text} {mark(ok)}"
+    return True, f"{text}: {same}/{len(want)} requests {WARNING}"
+
+
+def timed_round(
+    label: str, engine: Any, run: Generate, prompts: list[list[int]], n: int
+) -> tuple[list[list[int]], Any]:
+    # engine: any step's PagedPrefixCacheEngine; the result's second half is its EngineStats
+    """Serve ``prompts`` once through ``run`` and print one line: time, hits, computed tokens."""
+    engine.reset_stats()
+    start = time.perf_counter()
+    outputs = run(prompts, n)
+    if engine.model.cfg.device != "cpu":
+        torch.cuda.synchronize()  # GPU work is asynchronous: wait for it before reading the clock
+    ms = (time.perf_counter() - start) * 1000
+    s = engine.stats
+    hits = f"{s.hit_rate:.0%} ({s.requests_hit}/{s.requests})"
+    tokens = f"{s.token_hit_rate:.0%} ({s.cached_tokens}/{s.prompt_tokens})"
+    print(
+        f"{label:<30} {ms:8.1f} ms   hit rate {hits:<13} tokens {tokens:<14} computed "
+        f"{s.computed_prefill_tokens} prefill + {s.computed_decode_tokens} decode tokens"
+    )
+    return outputs, s
+
+
+def what_the_numbers_mean(cold: Any, hot: Any, off: Any) -> str:
+    """Why a hot round is barely faster than a cold one here: the cache saves prefill only, and
+    in this small demo most model calls are decode steps, the same in every round."""
+    text = (
+        f"What the numbers mean: the prefix cache saves prefill only. The model computed "
+        f"{off.computed_prefill_tokens} prompt tokens with the cache off, "
+        f"{cold.computed_prefill_tokens} cold and {hot.computed_prefill_tokens} hot."
+    )
+    if off.computed_decode_tokens:
+        text += (
+            f" Decode is the same {off.computed_decode_tokens} tokens in every round, one model "
+            f"call per token (prefill computes a whole block per call), so it bounds how much "
+            f"faster a hot round can be; the saving grows with the shared prefix "
+            f"(python -m bench)."
+        )
+    return textwrap.fill(text, width=100)
+
+
+def warm_up(step: ModuleType, model: torch.nn.Module, prompt: list[int]) -> None:
+    """One short request through a throwaway engine, so that one-time costs (first kernel
+    calls, allocator growth) are not charged to whichever round happens to run first."""
+    step.PagedPrefixCacheEngine(model, enable_prefix_cache=False).generate([prompt], 2)
+
+
+def main(step_name: str, argv: list[str] | None = None) -> int:
+    """``python -m <step_name>.run``: the demo, or real text with ``--model DIR``."""
+    args = parse_args(step_name, argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.model is not None:
+        return run_text(step_name, args)
+    step = load_step(step_name)
+    cfg = preset(
+        "demo",
+        device=args.device,
+        dtype=DTYPES[args.dtype],
+        block_size=args.block_size,
+        total_blocks=args.total_blocks,
+        seed=args.seed,
+    )
+    prompts = demo_prompts(cfg.vocab_size, cfg.block_size)
+    print(banner(step_name, cfg, len(prompts), args.max_new_tokens))
+    rounds = run_rounds(step, cfg, prompts, args)
+    print()
+    print(what_the_numbers_mean(rounds["cold"][1], rounds["hot"][1], rounds["off"][1]))
+    return print_checks(cfg, rounds)
+
+
+def banner(step_name: str, cfg: ModelConfig, num_prompts: int, n_new: int) -> str:
+    dtype, threads = str(cfg.dtype).removeprefix("torch."), torch.get_num_threads()
+    return (
+        f"{step_name}: {num_prompts} requests sharing a {3 * cfg.block_size}-token prefix, "
+        f"{n_new} new token{'s' if n_new > 1 else ''} each ({cfg.device}, {dtype}, "
+        f"block_size={cfg.block_size}, {cfg.total_blocks} blocks; torch {torch.__version__}, "
+        f"{threads} thread{'s' if threads > 1 else ''})\n"
+    )
+
+
+Round = tuple[list[list[int]], Any]  # the outputs and the engine's EngineStats
+
+
+def run_rounds(
+    step: ModuleType, cfg: ModelConfig, prompts: list[list[int]], args: argparse.Namespace
+) -> dict[str, Round]:
+    """The chapter's rounds, each printed as it ends: cold, hot, cache off, batched; then the
+    dense reference on the same prompts. The ref-count check is taken at rest after hot."""
+    n_new, engine_cls = args.max_new_tokens, step.PagedPrefixCacheEngine
+    with torch.inference_mode():
+        model = step.TinyTransformerPaged(cfg)
+        warm_up(step, model, prompts[0][-cfg.block_size :])
+        engine = engine_cls(model, max_running=args.max_running)
+        rounds = {
+            "cold": timed_round(
+                "Round 1 (cold cache), serial", engine, engine.generate_serial, prompts, n_new
+            ),
+            "hot": timed_round(
+                "Round 2 (hot cache), serial", engine, engine.generate_serial, prompts, n_new
+            ),
+        }
+        rounds["at_rest"] = (engine.ref_count_problems(), engine.stats)
+        off = engine_cls(model, enable_prefix_cache=False)
+        rounds["off"] = timed_round(
+            "Round 3 (cache off), serial", off, off.generate_serial, prompts, n_new
+        )
+        batched = engine_cls(model, max_running=args.max_running)
+        label = f"Batched (max_running={args.max_running}), cold"
+        rounds["batched"] = timed_round(label, batched, batched.generate, prompts, n_new)
+        rounds["reference"] = (reference_generate(ReferenceModel(cfg), prompts, n_new), None)
+    return rounds
+
+
+def print_checks(cfg: ModelConfig, rounds: dict[str, Round]) -> int:
+    """The demo's promises, one line each; returns the exit status (1 if any ❌)."""
+    cold, hot, off = rounds["cold"][0], rounds["hot"][0], rounds["off"][0]
+    problems, s = rounds["at_rest"]
+    exact = cfg.dtype in EXACT_DTYPES
+    checks = [
+        token_check(
+            "Cold, hot and cache-off outputs identical (the cache only saves work)",
+            hot + off,
+            cold + cold,
+            exact,
+        ),
+        (
+            not problems,
+            f"Every block's ref_count sane (free {s.blocks_free} + cached "
+            f"{s.blocks_cached} = total {cfg.total_blocks}) {mark(not problems)}",
+        ),
+        token_check(
+            "Batched outputs identical to the serial ones", rounds["batched"][0], cold, exact
+        ),
+        token_check(
+            "Outputs identical to the dense reference model", cold, rounds["reference"][0], exact
+        ),
+    ]
+    print()
+    for _, line in checks:
+        print(line)
+    for line in problems[:10]:
+        print("   ", line)
+    if any(line.endswith(WARNING) for _, line in checks):
+        print(REDUCED_PRECISION_NOTE.format(dtype=str(cfg.dtype).removeprefix("torch.")))
+    return 0 if all(ok for ok, _ in checks) else 1

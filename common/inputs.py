@@ -1,0 +1,107 @@
+"""What a request may be: the input checks of every step's engine, in one place.
+
+``check_request`` is called once per request, before the request touches the engine: a bad
+one raises ``ValueError`` saying what is wrong, and the engine's state stays as it was (for
+``generate``, all prompts are checked before any is queued: all or nothing).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division (vLLM's ``cdiv``): the blocks that ``a`` tokens fill at ``b`` a block."""
+    return -(-a // b)
+
+
+def blocks_for_request(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
+    """Blocks a request holds at the end of its longest life: every token whose KV is written
+    (the last generated token is never fed back, so it needs no slot)."""
+    return cdiv(prompt_len + max_new_tokens - 1, block_size)
+
+
+@dataclass(frozen=True)
+class Request:
+    """A request that passed the checks, in the engine's own types."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    eos_token_ids: frozenset[int]
+
+
+def check_request(
+    prompt_ids: object, max_new_tokens: object, eos_token_id: object, cfg: ModelConfig
+) -> Request:
+    """The request as plain ints, or ``ValueError`` naming what is wrong with it."""
+    vocab = cfg.vocab_size
+    prompt = as_token_list(prompt_ids)
+    if not prompt:
+        raise ValueError("prompt is empty: a request needs at least one token")
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    eos = as_eos_ids(eos_token_id, vocab)
+    need = blocks_for_request(len(prompt), int(max_new_tokens), cfg.block_size)
+    if need > cfg.total_blocks:
+        raise ValueError(
+            f"request needs {need} blocks ({len(prompt)} prompt + {max_new_tokens} new "
+            f"tokens at block_size={cfg.block_size}) but the pool has only "
+            f"{cfg.total_blocks}: it could never run"
+        )
+    return Request(prompt, int(max_new_tokens), eos)
+
+
+def is_int(x: object) -> bool:
+    """An integer of any kind (Python, NumPy, a 0-d integer tensor), but not a bool."""
+    # ``type(x) is int`` answers the usual case at once; the ABC check is ~20x slower, which
+    # shows when every token of every prompt is checked.
+    if type(x) is int:
+        return True
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 0 and not (
+            x.is_floating_point() or x.is_complex() or x.dtype is torch.bool
+        )
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def as_token_list(prompt_ids: object) -> list[int]:
+    """A prompt (a list, tuple, 1-D integer tensor, any iterable of ints) as a list of ints."""
+    if isinstance(prompt_ids, torch.Tensor):
+        if prompt_ids.dim() != 1 or prompt_ids.is_floating_point() or prompt_ids.is_complex():
+            raise ValueError("a prompt tensor must be 1-D with an integer dtype")
+        prompt_ids = prompt_ids.tolist()
+    if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Iterable):
+        raise ValueError(f"prompt must be a sequence of token ids, got {type(prompt_ids).__name__}")
+    tokens = list(prompt_ids)
+    if not all(is_int(t) for t in tokens):
+        raise ValueError("prompt token ids must be integers")
+    return [int(t) for t in tokens]
+
+
+def as_eos_ids(eos_token_id: object, vocab_size: int) -> frozenset[int]:
+    """``None``, one id, or a collection of ids (Llama 3 lists several), as a set of ids."""
+    if eos_token_id is None:
+        return frozenset()
+    if is_int(eos_token_id):
+        ids = [eos_token_id]
+    elif isinstance(eos_token_id, (str, bytes)) or not isinstance(eos_token_id, Iterable):
+        ids = [eos_token_id]  # refused below
+    elif isinstance(eos_token_id, torch.Tensor) and eos_token_id.dim() != 1:
+        ids = [eos_token_id]  # a float scalar or a matrix: refused below
+    else:
+        ids = list(eos_token_id)
+    if not all(is_int(t) and 0 <= t < vocab_size for t in ids):
+        raise ValueError(
+            f"eos_token_id must be None, a token id or a collection of token ids in "
+            f"[0, {vocab_size}), got {eos_token_id!r}"
+        )
+    return frozenset(int(t) for t in ids)

@@ -1,0 +1,79 @@
+"""Sequence: one request, as the scheduler and the KV cache manager see it (vLLM: ``Request``).
+
+It holds what the request asked for (prompt, ``max_new_tokens``, eos ids), what it has produced
+(``generated_ids``) and where its KV lives (``block_table``): nothing else about memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+from common import hashing
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()  # queued, no blocks yet
+    PREFILLING = auto()  # admitted; prompt being processed one block-sized chunk per round
+    RUNNING = auto()  # prompt done; one decode token per round
+    FINISHED = auto()  # max_new_tokens reached or an eos produced; blocks released
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request. ``block_table`` is its only KV state: physical block ids, in token order."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    # The ids that end the request (Llama 3 lists several); empty: only max_new_tokens does.
+    eos_token_ids: frozenset[int] = frozenset()
+    generated_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    # Entries of block_table adopted from the prefix cache (retained, not allocated). Not only
+    # leading ones: a sequence adopts whatever others cached whenever its prefill reaches it.
+    hit_block_ids: list[int] = field(default_factory=list)
+    prefill_offset: int = 0  # prompt tokens whose KV is in the pool (cached or computed)
+    status: SequenceStatus = SequenceStatus.WAITING
+    # Chain hashes of the full blocks, prompt and output, computed so far (vLLM:
+    # Request.block_hashes).
+    block_hashes: list[int] = field(default_factory=list)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.generated_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt and output as one stream: the hash chain runs through both."""
+        return self.prompt_ids + self.generated_ids
+
+    @property
+    def is_prefill_done(self) -> bool:
+        return self.prefill_offset >= self.prompt_len
+
+    @property
+    def last_token_id(self) -> int:
+        return self.generated_ids[-1] if self.generated_ids else self.prompt_ids[-1]
+
+    def extend_block_hashes(self, num_blocks: int, block_size: int) -> None:
+        """Grow the hash chain to the first ``num_blocks`` full blocks.
+
+        Each link needs only the one before it, so a block is hashed once, when first needed,
+        and every later use (each cache lookup, caching the block once filled) reads it here.
+        """
+        token_ids = self.token_ids
+        while len(self.block_hashes) < num_blocks:
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if self.block_hashes else hashing.ROOT_HASH
+            tokens = token_ids[i * block_size : (i + 1) * block_size]
+            self.block_hashes.append(hashing.hash_block(parent, tokens))
+
+    def append_token(self, token_id: int) -> None:
+        self.generated_ids.append(token_id)
+        if len(self.generated_ids) >= self.max_new_tokens or token_id in self.eos_token_ids:
+            self.status = SequenceStatus.FINISHED
