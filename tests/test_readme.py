@@ -1,93 +1,338 @@
-"""The top README: every ```python block runs, and its commands use one form.
+"""README.md and docs/*.md: every ```python block runs, and what the pages show is checked.
 
-A README that a newcomer copies from must not rot: each Python example is executed here (they
-use the tiny model, so the whole file takes seconds), and the commands it shows are checked
-against the rules it states (the venv activated once, then ``python -m ...`` everywhere).
+Pages that a newcomer copies from must not rot. Each Python example is executed here (they use
+the tiny model, so all of them take seconds). The commands the pages show follow the rules the
+README states (the venv activated once, then ``python -m ...`` everywhere) and name modules,
+paths, extras and flags that exist. Every relative link leads to a file, and an anchor to a
+heading of that file. The reference tables name every ``EngineStats`` field and every column of
+``python -m bench``, and the results tables show the figures of ``docs/results-cpu.json``. The
+top README stays short, in the order a newcomer needs.
+
+Examples that load a real checkpoint name ``~/models/SmolLM2-135M``. Here that path is replaced
+by a toy Llama checkpoint (random weights, a word-level tokenizer) written with transformers'
+``save_pretrained``; without transformers, safetensors or tokenizers those examples skip.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import re
+import shlex
+import subprocess
+import sys
 from dataclasses import fields
+from functools import cache
 from pathlib import Path
 
 import pytest
 
 from bench import report, showcase
 from bench.harness import RunResult
-from common.steps import available_steps, load_step
+from common.steps import STEPS, available_steps, load_step
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-TEXT = README.read_text()
-PYTHON_BLOCKS = re.findall(r"^```python\n(.*?)^```$", TEXT, re.DOTALL | re.MULTILINE)
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+PAGES = [README, *sorted(DOCS.glob("*.md"))]
+TEXT = {page: page.read_text() for page in PAGES}
+RESULTS = json.loads((DOCS / "results-cpu.json").read_text())
 
-
-def test_the_readme_has_python_examples() -> None:
-    assert len(PYTHON_BLOCKS) >= 1
-    assert all(block.strip() for block in PYTHON_BLOCKS)
-
-
-@pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)))
-def test_python_block_runs(index: int, capsys: pytest.CaptureFixture) -> None:
-    """Each block runs on its own, in a fresh namespace, as a reader would paste it."""
-    code = compile(PYTHON_BLOCKS[index], f"README.md python block {index + 1}", "exec")
-    exec(code, {"__name__": "__readme__"})
+MAX_README_LINES = 250
+# The order the top README keeps: what it is, quickstart, layout and steps, how to read a step,
+# the concept map to vLLM, results, links (words of its ## headings, in order).
+README_SECTIONS = ["Quickstart", "Layout", "steps", "How to read", "vLLM", "Results", "reading"]
+CHECKPOINT_PLACEHOLDER = "~/models/SmolLM2-135M"
+OPTIONAL_PACKAGES = {"transformers", "safetensors", "tokenizers"}
 
 
-def shown_commands() -> list[str]:
-    """The shell commands of indented code lines (four spaces, then a command)."""
+def page_name(page: Path) -> str:
+    return page.relative_to(ROOT).as_posix()
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```$", text, re.DOTALL | re.MULTILINE)
+
+
+BLOCKS = [(page, i, code) for page in PAGES for i, code in enumerate(python_blocks(TEXT[page]))]
+
+
+def without_fences(text: str) -> str:
+    """The page with its fenced code blocks removed (a ``# comment`` there is no heading)."""
+    return re.sub(r"^```.*?^```$", "", text, flags=re.DOTALL | re.MULTILINE)
+
+
+def headings(text: str, level: str = "#{1,6}") -> list[str]:
+    return re.findall(rf"^{level} (.+)$", without_fences(text), re.MULTILINE)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def shown_commands(text: str) -> list[str]:
+    """The shell commands of indented code lines (four spaces, then a command), with their
+    ``\\`` continuation lines joined and their ``  # comment`` dropped."""
+    commands, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        if not re.match(r"^    (python|pip|source|diff|\.venv)\b", line):
+            continue
+        command = line.strip()
+        while command.endswith("\\") and i + 1 < len(lines):
+            i += 1
+            command = command[:-1] + " " + lines[i].strip()
+        commands.append(command.split("  #")[0].strip())
+    return commands
+
+
+def inline_commands(text: str) -> list[str]:
+    """``python -m ...`` and ``pip install ...`` written inline, in backticks."""
+    return [c for c in re.findall(r"`((?:python -m|pip install) [^`]+)`", text) if "..." not in c]
+
+
+def all_commands() -> list[tuple[str, str]]:
+    """(page, command): every command of every page, one ``&&`` part at a time."""
     return [
-        line.strip().split("  #")[0].strip()
-        for line in TEXT.splitlines()
-        if re.match(r"^    (python|pip|source|diff|\.venv)\b", line)
+        (page_name(page), part.strip())
+        for page in PAGES
+        for command in shown_commands(TEXT[page]) + inline_commands(TEXT[page])
+        for part in command.split("&&")
     ]
+
+
+# ---- the Python examples ------------------------------------------------------------------------
+
+
+def test_the_pages_have_python_examples() -> None:
+    assert python_blocks(TEXT[README]), "the README shows the API in one short example"
+    assert python_blocks(TEXT[DOCS / "api.md"])
+    assert all(code.strip() for _, _, code in BLOCKS)
+
+
+def test_every_code_block_is_plain_or_python() -> None:
+    """A block fenced as ``py`` or ``Python`` would escape the execution below."""
+    for page in PAGES:
+        languages = set(re.findall(r"^```(\S+)$", TEXT[page], re.MULTILINE))
+        assert languages <= {"python"}, (page_name(page), languages)
+
+
+@pytest.fixture(scope="module")
+def toy_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama checkpoint directory as ``save_pretrained`` writes it, with a tokenizer.json."""
+    for package in sorted(OPTIONAL_PACKAGES):
+        pytest.importorskip(package)
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    from common.config import preset
+    from common.hf import hf_llama
+
+    words = "<unk> <s> </s> the capital of france is water boils at you are a concise assistant"
+    vocab = {word: i for i, word in enumerate(words.split())}
+    folder = tmp_path_factory.mktemp("toy-llama")
+    hf_llama(preset("tiny", vocab_size=len(vocab))).save_pretrained(folder)
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("page", "index", "code"), BLOCKS, ids=[f"{page_name(p)}-{i + 1}" for p, i, _ in BLOCKS]
+)
+def test_python_block_runs(
+    page: Path, index: int, code: str, request: pytest.FixtureRequest
+) -> None:
+    """Each block runs on its own, in a fresh namespace, as a reader would paste it."""
+    if CHECKPOINT_PLACEHOLDER in code:
+        folder = request.getfixturevalue("toy_checkpoint")
+        code = code.replace(f'"{CHECKPOINT_PLACEHOLDER}"', repr(str(folder)))
+    compiled = compile(code, f"{page_name(page)} python block {index + 1}", "exec")
+    try:
+        exec(compiled, {"__name__": "__readme__"})
+    except ModuleNotFoundError as exc:
+        if exc.name in OPTIONAL_PACKAGES:
+            pytest.skip(f"needs {exc.name} (pip install -e '.[test]')")
+        raise
+
+
+# ---- the commands -------------------------------------------------------------------------------
 
 
 def test_commands_use_one_form() -> None:
     """Activate once, then ``python -m ...``: no ``.venv/bin/...`` prefix and no bare
     ``pytest``, which fail (or pick another Python) outside the venv."""
-    commands = shown_commands()
-    assert "source .venv/bin/activate" in commands
-    for command in commands:
-        assert not command.startswith(".venv/"), command
-        assert not re.match(r"(pytest|bench)\b", command), command
-    assert not re.search(r"`pytest ", TEXT), "inline commands too: python -m pytest"
+    assert "source .venv/bin/activate" in shown_commands(TEXT[README])
+    for page in PAGES:
+        for command in shown_commands(TEXT[page]):
+            assert not command.startswith(".venv/"), (page_name(page), command)
+            assert not re.match(r"(pytest|bench)\b", command), (page_name(page), command)
+        assert not re.search(r"`pytest ", TEXT[page]), "inline commands too: python -m pytest"
 
 
 def test_the_first_diff_shows_only_code() -> None:
-    first_diff = next(c for c in shown_commands() if c.startswith("diff "))
+    first_diff = next(c for c in shown_commands(TEXT[README]) if c.startswith("diff "))
     assert "-x README.md" in first_diff and "-x __pycache__" in first_diff
 
 
-def test_bench_flags_in_the_readme_exist(capsys: pytest.CaptureFixture) -> None:
-    """Every ``--flag`` the README gives ``python -m bench`` is one its parser knows."""
-    shown = set()
-    for match in re.finditer(r"python -m bench((?: --[a-z-]+(?: [\w,.]+)?)+)", TEXT):
-        shown.update(re.findall(r"--[a-z-]+", match.group(1)))
-    assert "--no-reference" in shown, "the README says how to skip the slow reference check"
-    with pytest.raises(SystemExit):
-        showcase.parse_args(["--help"])
-    known = set(re.findall(r"--[a-z-]+", capsys.readouterr().out))
-    assert shown <= known, shown - known
+def test_commands_name_modules_paths_and_extras_that_exist() -> None:
+    """What a fresh clone needs for each command: ``python -m`` modules, the test paths given
+    to pytest, the directories given to diff, the extras given to pip."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    for page, command in all_commands():
+        words = shlex.split(command)
+        if words[:2] == ["python", "-m"]:
+            assert importlib.util.find_spec(words[2]) is not None, (page, command)
+        if words[:3] == ["python", "-m", "pytest"]:
+            args = iter(words[3:])
+            for arg in args:
+                if arg == "-k":
+                    next(args)
+                elif not arg.startswith("-"):
+                    assert (ROOT / arg.split("::")[0]).exists(), (page, command)
+        if words[0] == "diff":
+            assert all((ROOT / d).is_dir() for d in words[-2:]), (page, command)
+        if words[:2] == ["pip", "install"]:
+            for extras in re.findall(r"\.\[([\w,-]+)\]", command):
+                for extra in extras.split(","):
+                    assert re.search(rf"^{extra} = \[", pyproject, re.M), (page, command)
+
+
+@cache
+def known_flags(module: str) -> set[str]:
+    """The flags ``python -m <module> --help`` lists."""
+    out = subprocess.run(
+        [sys.executable, "-m", module, "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    return set(re.findall(r"--[a-z][a-z-]*", out))
+
+
+def test_flags_in_the_pages_exist() -> None:
+    """Every ``--flag`` a page gives ``python -m bench``, a step's ``run`` or
+    ``tests.mutants`` is one its parser knows."""
+    shown: dict[str, set[str]] = {}
+    for _, command in all_commands():
+        words = shlex.split(command)
+        if words[:2] == ["python", "-m"] and words[2] != "pytest":
+            flags = {w.split("=")[0] for w in words[3:] if w.startswith("--")}
+            shown.setdefault(words[2], set()).update(flags)
+    assert "--no-reference" in shown["bench"], "the pages say how to skip the slow check"
+    assert "--model" in shown["step14_7.run"], "docs/real-models.md serves a checkpoint"
+    for module, flags in shown.items():
+        assert flags <= known_flags(module), (module, flags - known_flags(module))
+
+
+# ---- links and structure ------------------------------------------------------------------------
+
+
+def links(text: str) -> list[str]:
+    return re.findall(r"\]\(([^)\s]+)\)", without_fences(text))
+
+
+def test_relative_links_lead_to_files_and_headings() -> None:
+    for page in PAGES:
+        for target in links(TEXT[page]):
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            assert file.exists(), f"{page_name(page)}: {target} does not exist"
+            if anchor:
+                anchors = {slug(h) for h in headings(file.read_text())}
+                assert anchor in anchors, f"{page_name(page)}: no heading for {target}"
+
+
+def test_the_readme_is_short_and_in_order() -> None:
+    lines = TEXT[README].count("\n")
+    assert lines <= MAX_README_LINES, f"README.md has {lines} lines: move detail to docs/"
+    sections = headings(TEXT[README], "##")
+    positions = [next(i for i, h in enumerate(sections) if word in h) for word in README_SECTIONS]
+    assert positions == sorted(positions), sections
+
+
+def test_the_readme_links_every_guide_and_the_chapter() -> None:
+    readme_links = links(TEXT[README])
+    for page in PAGES[1:]:
+        assert page_name(page) in readme_links, f"README.md does not link {page_name(page)}"
+    assert "step14/README.md#the-chapter" in readme_links
+
+
+def test_the_steps_table_names_every_step_in_order() -> None:
+    rows = [line for line in TEXT[README].splitlines() if re.match(r"\| \[step14", line)]
+    assert [re.match(r"\| \[(\w+)\]", row).group(1) for row in rows] == STEPS
+    assert all(f"({name}/README.md)" in row for name, row in zip(STEPS, rows))
+
+
+# ---- the reference tables -----------------------------------------------------------------------
 
 
 def test_every_engine_stats_field_is_documented() -> None:
-    """The README's EngineStats table names every field and property, so a new counter cannot
+    """docs/api.md's EngineStats table names every field and property, so a new counter cannot
     land undocumented."""
     stats = load_step(available_steps()[-1]).EngineStats
     names = [f.name for f in fields(stats)]
     names += [name for name, value in vars(stats).items() if isinstance(value, property)]
     assert {"computed_prefill_tokens", "computed_tokens", "hit_rate"} <= set(names)
     for name in names:
-        assert f"| `{name}` |" in TEXT, f"EngineStats.{name} is not in the README's table"
+        assert f"| `{name}` |" in TEXT[DOCS / "api.md"], f"EngineStats.{name} is not in api.md"
 
 
 def test_every_bench_column_is_explained() -> None:
-    """The README's table of ``python -m bench`` columns names every column the showcase
+    """docs/benchmarks.md's table of ``python -m bench`` columns names every column the showcase
     prints, so a new column cannot land unexplained."""
     row = showcase.Row("step14", "baseline", [1.0], RunResult([[1]], 1.0), new_tokens=1)
     header = report.table([row], []).splitlines()[1]
     titles = [cell.strip() for cell in header.split("|")[3:-1]]  # after step, what it fixed
     assert "peak KV MiB" in titles and "GFLOP/s" in titles
     for title in titles:
-        assert f"`{title}`" in TEXT, f"the README does not explain the column {title!r}"
+        assert f"`{title}`" in TEXT[DOCS / "benchmarks.md"], f"column {title!r} is unexplained"
+
+
+def expected_cells(row: dict) -> dict[str, str]:
+    """A results row as ``python -m bench`` prints it, by column title."""
+    reuse = f"{row['cached_tokens'] / row['prompt_tokens']:.0%}" if row["prompt_tokens"] else "-"
+    return {
+        "min s": f"{row['min_s']:.3f}",
+        "tokens/s": f"{row['tokens_per_s']:.1f}",
+        f"vs {RESULTS['baseline']}": f"{row['speedup_vs_baseline']:.2f}x",
+        "prefix reuse": reuse,
+        "computed tokens": f"{row['computed_prefill_tokens']} + {row['computed_decode_tokens']}",
+        "peak KV MiB": f"{row['kv_peak_mib']:.2f}",
+        "GFLOP": f"{row['flops'] / 1e9:.2f}",
+        "GFLOP/s": f"{row['gflops_per_s']:.1f}",
+    }
+
+
+def results_table(text: str) -> list[dict[str, str]]:
+    """The rows of a page's results table (the one with a ``min s`` column), by column title."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if re.match(r"\| step .*\| +min s +\|", line))
+    titles = [cell.strip() for cell in lines[start].strip("|").split("|")]
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append(dict(zip(titles, (c.strip() for c in line.strip("|").split("|")))))
+    return rows
+
+
+@pytest.mark.parametrize("page", [README, DOCS / "benchmarks.md"], ids=page_name)
+def test_results_tables_show_the_saved_run(page: Path) -> None:
+    """The figures shown are those of docs/results-cpu.json, on the machine it names: when the
+    run is redone, the pages must follow."""
+    text, machine = TEXT[page], RESULTS["machine"]
+    rows = results_table(text)
+    assert [r["step"] for r in rows] == [r["name"] for r in RESULTS["rows"]]
+    for shown, saved in zip(rows, RESULTS["rows"]):
+        for title, cell in expected_cells(saved).items():
+            if title in shown:
+                assert shown[title].rstrip("!").strip() == cell, (saved["name"], title)
+    assert f"Measured on {RESULTS['date'].split()[0]}" in text
+    assert f"Python {machine['python']}, torch {machine['torch']}" in text
+    assert machine["threads"] == 1 and "one torch thread" in text
