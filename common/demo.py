@@ -139,8 +139,9 @@ def token_check(
 def timed_round(
     label: str, engine: Any, run: Generate, prompts: list[list[int]], n: int
 ) -> tuple[list[list[int]], Any]:
-    # engine: any step's PagedPrefixCacheEngine; the result's second half is its EngineStats
-    """Serve ``prompts`` once through ``run`` and print one line: time, hits, computed tokens."""
+    """Serve ``prompts`` once through ``run`` (a method of ``engine``, any step's
+    ``PagedPrefixCacheEngine``) and print one line: time, hits, computed tokens. Returns the
+    outputs and the engine's ``EngineStats``."""
     engine.reset_stats()
     start = time.perf_counter()
     outputs = run(prompts, n)
@@ -175,6 +176,25 @@ def what_the_numbers_mean(cold: Any, hot: Any, off: Any) -> str:
     return textwrap.fill(text, width=100)
 
 
+def what_preemption_cost(roomy: Any, small: Any) -> str:
+    """What the small pool's preemptions cost in model work, against the same batched round
+    with room to spare: recompute is cheap when the cache gives the full blocks back."""
+    extra = small.computed_tokens - roomy.computed_tokens
+    if not small.preemptions:
+        return (
+            "\nIn the small pool no request had to be preempted: new requests waited until their "
+            "first chunk fit."
+        )
+    text = (
+        f"In the small pool, {small.preemptions} preemption{'' if small.preemptions == 1 else 's'} "
+        f"cost {extra} more computed token{'' if extra == 1 else 's'} than with room to spare "
+        f"({small.computed_tokens} vs {roomy.computed_tokens}): a preempted request gives its "
+        f"blocks back but its full blocks stay cached, and {small.resumed_cached_tokens} tokens "
+        f"came back from the cache when the preempted requests resumed."
+    )
+    return "\n" + textwrap.fill(text, width=100)
+
+
 def warm_up(step: ModuleType, model: torch.nn.Module, prompt: list[int]) -> None:
     """One short request through a throwaway engine, so that one-time costs (first kernel
     calls, allocator growth) are not charged to whichever round happens to run first."""
@@ -202,6 +222,7 @@ def main(step_name: str, argv: list[str] | None = None) -> int:
     rounds = run_rounds(step, cfg, prompts, args)
     print()
     print(what_the_numbers_mean(rounds["cold"][1], rounds["hot"][1], rounds["off"][1]))
+    print(what_preemption_cost(rounds["batched"][1], rounds["small_pool"][1][1]))
     return print_checks(cfg, rounds)
 
 
@@ -244,8 +265,47 @@ def run_rounds(
         batched = engine_cls(model, max_running=args.max_running)
         label = f"Batched (max_running={args.max_running}), cold"
         rounds["batched"] = timed_round(label, batched, batched.generate, prompts, n_new)
+        rounds["small_pool"] = small_pool_round(step, model, prompts, args)
         rounds["reference"] = (reference_generate(ReferenceModel(cfg), prompts, n_new), None)
     return rounds
+
+
+def small_pool_blocks(block_size: int, max_new_tokens: int) -> int:
+    """A pool that holds the longest demo request about one and a half times: the batched
+    engine then runs out of blocks mid-round and must preempt."""
+    need = blocks_for_longest_request(block_size, max_new_tokens)
+    return (3 * need + 1) // 2
+
+
+def small_pool_round(
+    step: ModuleType, model: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace
+) -> Round:
+    """The batched round again, in a pool too small for the running set: memory on demand,
+    preemption of the youngest, recompute (cheap: the cache gives the full blocks back)."""
+    cfg = model.cfg.replace(total_blocks=small_pool_blocks(args.block_size, args.max_new_tokens))
+    small = step.TinyTransformerPaged(cfg)
+    small.load_state_dict(model.state_dict())  # the same weights, a smaller KV pool
+    engine = step.PagedPrefixCacheEngine(small, max_running=args.max_running)
+    label = f"Batched, {cfg.total_blocks}-block pool"
+    outputs, s = timed_round(label, engine, engine.generate, prompts, args.max_new_tokens)
+    print(
+        f"{'':<30}   {s.preemptions} preemption{'' if s.preemptions == 1 else 's'}, "
+        f"{s.resumed_cached_tokens} tokens back from the cache on resume, "
+        f"{s.seqs_per_round:.1f} requests per round"
+    )
+    return outputs, (engine.ref_count_problems(), s)
+
+
+def small_pool_check(small: Round, reference: list[list[int]], exact: bool) -> tuple[bool, str]:
+    """Preemption loses nothing: the same tokens, and every block back at rest."""
+    outputs, (problems, s) = small
+    n = f"{s.preemptions} preemption{'' if s.preemptions == 1 else 's'}"
+    ok, line = token_check(
+        f"Small pool: outputs identical to the reference ({n})", outputs, reference, exact
+    )
+    if problems:
+        return False, f"{line}; ref counts broken: {problems[0]} {mark(False)}"
+    return ok, line
 
 
 def print_checks(cfg: ModelConfig, rounds: dict[str, Round]) -> int:
@@ -271,6 +331,7 @@ def print_checks(cfg: ModelConfig, rounds: dict[str, Round]) -> int:
         token_check(
             "Outputs identical to the dense reference model", cold, rounds["reference"][0], exact
         ),
+        small_pool_check(rounds["small_pool"], rounds["reference"][0], exact),
     ]
     print()
     for _, line in checks:

@@ -4,9 +4,11 @@ The engine owns it and calls it at four moments of a sequence's life, with vLLM'
 
 - ``get_computed_blocks`` before a prefill chunk: which of its next blocks the cache holds;
 - ``allocate_slots`` when a chunk or a decode token needs room: adopt those blocks, and take
-  fresh ones for the rest only now (lazy allocation, vLLM's ``KVCacheManager.allocate_slots``);
+  fresh ones for the rest only now (memory on demand). When the pool cannot give them, it says
+  so and changes nothing: the engine then preempts a sequence, or lets a new one wait;
 - ``cache_blocks`` once a block is full: name it by its chain hash so others can adopt it;
-- ``free`` when the sequence finishes: one reference fewer on every block it held.
+- ``free`` when the sequence finishes, is aborted or is preempted: one reference fewer on every
+  block it held (full blocks stay in the cache, so a preempted sequence finds them again).
 
 The scheduler never calls it: the chapter's rule is that scheduling does no memory operation.
 """
@@ -14,7 +16,7 @@ The scheduler never calls it: the chapter's rule is that scheduling does no memo
 from __future__ import annotations
 
 from common import hashing
-from common.inputs import blocks_for_request, cdiv
+from common.inputs import cdiv
 
 from .block_manager import BlockManager
 from .prefix_cache import PrefixCache
@@ -28,18 +30,6 @@ class KVCacheManager:
         self.prefix_cache = (
             PrefixCache(self.block_manager, block_size) if enable_prefix_cache else None
         )
-        self.reserved = 0  # blocks promised to admitted sequences that have not allocated yet
-
-    # ---- admission --------------------------------------------------------------------------
-
-    def can_admit(self, seq: Sequence) -> bool:
-        """Admit only if the worst case (no cache hit) fits in free + evictable blocks, and
-        reserve them: a running request can then never run out of memory."""
-        need = blocks_for_request(seq.prompt_len, seq.max_new_tokens, self.block_size)
-        if need > self.num_available_blocks - self.reserved:
-            return False
-        self.reserved += need
-        return True
 
     @property
     def num_available_blocks(self) -> int:
@@ -51,10 +41,11 @@ class KVCacheManager:
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """Block ids of the cached chain that continues the sequence's block table: its next
-        prompt blocks, already computed by someone. A lookup only; ``allocate_slots`` adopts.
+        blocks, already computed by someone (or by itself, before a preemption). A lookup
+        only; ``allocate_slots`` adopts them.
 
-        The block holding the last prompt token is never taken from the cache: its logits give
-        the first output token, so it is recomputed into a fresh block (shared blocks are
+        The block holding the sequence's last token is never taken from the cache: its logits
+        give the next token, so it is recomputed into a fresh block (shared blocks are
         read-only, and copy-on-write is never needed).
         """
         if self.prefix_cache is None:
@@ -63,14 +54,15 @@ class KVCacheManager:
 
     def _lookup_prefix_cache(self, seq: Sequence) -> list[int]:
         first = len(seq.block_table)  # prefill is block-aligned: the blocks it has so far
-        last = (seq.prompt_len - 1) // self.block_size  # the last prompt token's block
+        last = (seq.num_tokens - 1) // self.block_size  # the last token's block
         if first >= last:
             return []
+        token_ids = seq.token_ids
         block_hashes = hashing.hash_prefix_blocks(
-            seq.prompt_ids[: last * self.block_size], self.block_size
+            token_ids[: last * self.block_size], self.block_size
         )
         parent_id = seq.block_table[-1] if seq.block_table else None
-        tokens = seq.prompt_ids[first * self.block_size : last * self.block_size]
+        tokens = token_ids[first * self.block_size : last * self.block_size]
         return self.prefix_cache.match(block_hashes[first:last], tokens, parent_id)
 
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
@@ -89,28 +81,39 @@ class KVCacheManager:
             parent_id,
         )
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block: each goes back to the free pool (the caller makes sure no
+        request holds one)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
     # ---- allocation and freeing -------------------------------------------------------------
 
     def allocate_slots(
         self, seq: Sequence, num_tokens: int, computed_blocks: list[int] | None = None
-    ) -> None:
+    ) -> bool:
         """Grow the block table to hold the KV of the sequence's first ``num_tokens`` tokens:
         first the ``computed_blocks`` found by ``get_computed_blocks``, then fresh blocks.
 
         An adopted block is zero copy: one more owner (``retain``), nothing moves. A fresh
-        block is taken only when a chunk or a decode token first needs it, out of the
-        reservation made at admission, so this cannot fail.
+        block is taken only when a chunk or a decode token first needs it, evicting cache-only
+        blocks if the free pool is empty. Returns False, having changed nothing, when even that
+        is not enough (vLLM's ``allocate_slots`` returns None).
         """
         computed_blocks = computed_blocks or []
+        missing = cdiv(num_tokens, self.block_size) - len(seq.block_table) - len(computed_blocks)
+        if missing > 0:
+            # An adopted block that only the cache held is no longer evictable once adopted.
+            adopted_evictable = sum(self.block_manager.ref_count(b) == 1 for b in computed_blocks)
+            if missing + adopted_evictable > self.num_available_blocks:
+                return False
         for block_id in computed_blocks:
             self.block_manager.retain(block_id)
         seq.block_table += computed_blocks
         seq.hit_block_ids += computed_blocks
-        self.reserved -= len(computed_blocks)  # reserved for blocks that need no allocation
-        missing = cdiv(num_tokens, self.block_size) - len(seq.block_table)
         if missing > 0:
             seq.block_table += self._allocate(missing)
-            self.reserved -= missing
+        return True
 
     def _allocate(self, n: int) -> list[int]:
         shortfall = n - self.block_manager.num_free
@@ -119,29 +122,34 @@ class KVCacheManager:
         return self.block_manager.allocate(n)
 
     def free(self, seq: Sequence) -> None:
-        """The chapter's ``_free_seq``: drop the request's references. Adopted blocks go back
+        """The chapter's ``_free_seq``: drop the sequence's references. Adopted blocks go back
         to the cache's sole ownership, blocks it allocated are freed (those the cache took
-        stay, with ref_count 1), and the part of its reservation it never used (an early eos)
-        is returned."""
+        stay, with ref_count 1)."""
         if self.prefix_cache is not None:
             self.prefix_cache.touch(seq.block_table[::-1])  # tail first: evicted first
         for block_id in seq.hit_block_ids:
             self.block_manager._blocks[block_id].ref_count -= 1
         hits = set(seq.hit_block_ids)
         self.block_manager.free([b for b in seq.block_table if b not in hits])
-        need = blocks_for_request(seq.prompt_len, seq.max_new_tokens, self.block_size)
-        self.reserved -= need - len(seq.block_table)
-        seq.block_table = []
+        seq.block_table, seq.hit_block_ids = [], []
 
     # ---- what the pool looks like -----------------------------------------------------------
 
+    def pool_figures(self) -> dict[str, int]:
+        """Where the blocks are now (``EngineStats``' block fields)."""
+        bm, cache = self.block_manager, self.prefix_cache
+        return {
+            "evictions": cache.num_evictions if cache is not None else 0,
+            "blocks_free": bm.num_free,
+            "blocks_cached": len(cache) if cache is not None else 0,
+            "blocks_used": bm.total_blocks - self.num_available_blocks,
+            "blocks_peak": bm.peak_used,
+        }
+
     def ref_count_problems(self) -> list[str]:
         """With no request running, every block is free (ref_count 0) or held by the cache
-        alone (ref_count 1), free + cached = total, and nothing is still reserved (a leaked
-        reservation would shrink the pool for good). Returns what breaks that (empty: sane)."""
+        alone (ref_count 1), and free + cached = total. Returns what breaks that (empty: sane)."""
         bm, cache, problems = self.block_manager, self.prefix_cache, []
-        if self.reserved:
-            problems.append(f"{self.reserved} blocks still reserved with no request running")
         for block_id in range(bm.total_blocks):
             expected = 1 if cache is not None and block_id in cache else 0
             if bm.ref_count(block_id) != expected:

@@ -1,53 +1,33 @@
 """PagedPrefixCacheEngine: paged KV + block-granular prefix cache + chunked prefill +
 continuous batching, in one loop.
 
-Each round (``step``): the scheduler picks the running set; every prefilling sequence first
-adopts whatever blocks of its prompt the cache already holds, then advances one chunk of
-``block_size`` tokens (chunk = block, so chunk boundaries are cache boundaries); every decoding
-sequence produces one token; finished sequences give their blocks back. Every block that fills
-up, prompt or output, is cached at once, so the next sequence can adopt it. Every memory
-operation is the KV cache manager's (``kv_cache_manager.py``); this file is the round loop,
-the public API and the figures.
+Each round (``step``): every running sequence, oldest first, takes its next step, then waiting
+ones are admitted while their first chunk fits. A prefilling sequence first adopts whatever
+blocks the cache already holds, then advances one chunk of ``block_size`` tokens (chunk =
+block, so chunk boundaries are cache boundaries); a decoding sequence produces one token.
+Memory comes on demand: a block is taken when a token first needs it, and when none is left
+the youngest running sequence is preempted (its blocks go back; it recomputes later). Finished
+sequences give their blocks back. Every block that fills up, prompt or output, is cached at
+once, so the next sequence can adopt it. Every memory operation is the KV cache manager's
+(``kv_cache_manager.py``); this file is the round loop, the public API and the figures.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import replace
+
+import torch
 
 from common.inputs import Request, check_request
+from common.stats import EngineStats
 
 from .kv_cache_manager import KVCacheManager
 from .model import TinyTransformerPaged
 from .scheduler import PagedScheduler
 from .sequence import Sequence, SequenceStatus
 
-
-@dataclass
-class EngineStats:
-    requests: int = 0  # requests whose prefill has started
-    requests_hit: int = 0  # ... of which at least one block came from the cache
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV came from the cache (adopted blocks)
-    computed_prefill_tokens: int = 0  # prompt tokens the model computed
-    computed_decode_tokens: int = 0  # generated tokens fed back through the model
-    evictions: int = 0
-    blocks_free: int = 0  # in the free pool
-    blocks_cached: int = 0  # held by the prefix cache (maybe also by requests)
-    blocks_used: int = 0  # held by running requests
-    blocks_peak: int = 0  # the most blocks out of the free pool at once: the KV memory held
-
-    @property
-    def hit_rate(self) -> float:
-        return self.requests_hit / self.requests if self.requests else 0.0
-
-    @property
-    def token_hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def computed_tokens(self) -> int:
-        """Tokens that went through the model: what the cache did not save."""
-        return self.computed_prefill_tokens + self.computed_decode_tokens
+Work = tuple[Sequence, list[int], int]  # a sequence, the token ids to run, the first one's position
 
 
 class PagedPrefixCacheEngine:
@@ -78,16 +58,14 @@ class PagedPrefixCacheEngine:
         return self.scheduler.has_work
 
     def step(self) -> None:
-        """One round of continuous batching."""
-        prefill_seqs, decode_seqs = self.scheduler.schedule(self.kv_cache_manager.can_admit)
-        for seq in prefill_seqs:
-            self._do_prefill_step(seq)
-        for seq in decode_seqs:
-            self._do_decode_step(seq)
-        for seq in prefill_seqs + decode_seqs:
-            if seq.status is SequenceStatus.FINISHED:
-                self.kv_cache_manager.free(seq)
-                self._outputs[seq.seq_id] = seq.generated_ids
+        """One round of continuous batching: one model call per scheduled sequence."""
+        scheduled = []
+        for seq, chunk, start in self._schedule():
+            logits = self.model(chunk, seq.block_table, start)
+            self.kv_cache_manager.cache_blocks(seq, start + len(chunk))  # its KV is in the pool
+            self._append_output(seq, start + len(chunk), logits[-1])
+            scheduled.append(seq)
+        self._finish_round(scheduled)
 
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: object = None
@@ -103,6 +81,23 @@ class PagedPrefixCacheEngine:
         requests = self._check_all(prompts, max_new_tokens, eos_token_id)
         return [self._run([self._queue(r)])[0] for r in requests]
 
+    def abort(self, request_id: int) -> list[int]:
+        """Cancel a queued or running request at once: its blocks go back (full ones stay
+        cached) and nothing more is generated. Returns the ids generated so far; KeyError if
+        the request is not queued or running."""
+        seq = self.scheduler.remove(request_id)
+        self.kv_cache_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        return list(seq.generated_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache, every cached block back to the free pool. Only with no
+        request running (vLLM's rule): otherwise nothing changes and it returns False."""
+        if self.scheduler.running:
+            return False
+        self.kv_cache_manager.reset_prefix_cache()
+        return True
+
     def pop_output(self, request_id: int) -> list[int]:
         """The generated ids of a finished request, handed out once (``add_request`` + ``step``
         users call this when the request is done)."""
@@ -112,16 +107,8 @@ class PagedPrefixCacheEngine:
 
     @property
     def stats(self) -> EngineStats:
-        bm, cache = self.kv_cache_manager.block_manager, self.kv_cache_manager.prefix_cache
-        cache_only = cache.num_evictable if cache is not None else 0
-        return replace(
-            self._counters,
-            evictions=cache.num_evictions if cache is not None else 0,
-            blocks_free=bm.num_free,
-            blocks_cached=len(cache) if cache is not None else 0,
-            blocks_used=bm.total_blocks - bm.num_free - cache_only,
-            blocks_peak=bm.peak_used,
-        )
+        """The counters of the work done, and the pool as it is now."""
+        return replace(self._counters, **self.kv_cache_manager.pool_figures())
 
     def reset_stats(self) -> None:
         """Zero the request/token counters (the cache, evictions and peak are kept)."""
@@ -157,45 +144,110 @@ class PagedPrefixCacheEngine:
 
     # ---- one round's work -------------------------------------------------------------------
 
-    def _schedule_prefill_chunk(self, seq: Sequence) -> tuple[list[int], int]:
-        """This round's prompt chunk and the position of its first token.
+    def _schedule(self) -> Iterator[Work]:
+        """This round's work, oldest first: each running sequence's next chunk or token, then
+        the first chunk of each waiting one that fits (vLLM's ``Scheduler.schedule`` order).
+
+        A generator: the round computes each sequence before the next one is scheduled, so a
+        sequence can adopt the block the one before it just filled. When a running sequence
+        needs a block the pool cannot give, the youngest running one is preempted (perhaps
+        itself). It has not been scheduled yet, so nobody loses blocks it was given this
+        round. After a preemption nobody is admitted this round: memory is short.
+        """
+        preemptions = self._counters.preemptions
+        for seq in list(self.scheduler.running):
+            if seq.status is SequenceStatus.PREEMPTED:  # an older one needed its blocks
+                continue
+            work = (
+                self._schedule_prefill_chunk(seq)
+                if seq.status is SequenceStatus.PREFILLING
+                else self._schedule_decode_token(seq)
+            )
+            if work is not None:
+                yield work
+        while self._counters.preemptions == preemptions and (seq := self.scheduler.next_waiting()):
+            work = self._schedule_prefill_chunk(seq, may_preempt=False)
+            if work is None:
+                return  # its first chunk does not fit: it waits at the head of the queue
+            self.scheduler.admit(seq)
+            yield work
+
+    def _schedule_prefill_chunk(self, seq: Sequence, may_preempt: bool = True) -> Work | None:
+        """The sequence's next chunk and the position of its first token, with room for it.
 
         Before each chunk, not only at admission, the sequence adopts the next blocks the cache
         already holds: requests that run together then leapfrog through a shared prefix, each
         computing a block nobody has yet, so every shared block is computed exactly once.
         """
-        if seq.prefill_offset == 0:  # the request counts from its first prefill step
-            self._counters.requests += 1
-            self._counters.prompt_tokens += seq.prompt_len
         hits = self.kv_cache_manager.get_computed_blocks(seq)
-        if hits and not seq.hit_block_ids:
-            self._counters.requests_hit += 1
-        self._counters.cached_tokens += len(hits) * self.block_size
         start = seq.prefill_offset + len(hits) * self.block_size
-        chunk = seq.prompt_ids[start : start + self.block_size]
-        self.kv_cache_manager.allocate_slots(seq, start + len(chunk), hits)
+        chunk = seq.token_ids[start : start + self.block_size]
+        first_hit = bool(hits) and not seq.hit_block_ids
+        if not self._allocate_slots(seq, start + len(chunk), hits, may_preempt):
+            return None
+        self._count_prefill_chunk(seq, len(hits) * self.block_size, len(chunk), first_hit)
         seq.prefill_offset = start
-        self._counters.computed_prefill_tokens += len(chunk)
-        return chunk, start
+        return seq, chunk, start
 
-    def _schedule_decode_token(self, seq: Sequence) -> tuple[list[int], int]:
+    def _schedule_decode_token(self, seq: Sequence) -> Work | None:
         """The newest token, whose KV is not in the pool yet, and its position."""
         position = seq.num_tokens - 1
-        self.kv_cache_manager.allocate_slots(seq, position + 1)
+        if not self._allocate_slots(seq, position + 1):
+            return None
         self._counters.computed_decode_tokens += 1
-        return [seq.last_token_id], position
+        return seq, [seq.last_token_id], position
 
-    def _do_prefill_step(self, seq: Sequence) -> None:
-        chunk, start = self._schedule_prefill_chunk(seq)
-        logits = self.model(chunk, seq.block_table, start)
-        seq.prefill_offset = start + len(chunk)
-        self.kv_cache_manager.cache_blocks(seq, seq.prefill_offset)  # its KV is in the pool now
-        if seq.is_prefill_done:
+    def _allocate_slots(
+        self,
+        seq: Sequence,
+        num_tokens: int,
+        hits: list[int] | None = None,
+        may_preempt: bool = True,
+    ) -> bool:
+        """Room for the sequence's first ``num_tokens`` tokens. While the pool is short,
+        preempt the youngest running sequence: its blocks go back (full ones stay cached) and
+        it will recompute. Returns False if the sequence itself had to go, or may not preempt.
+        """
+        while not self.kv_cache_manager.allocate_slots(seq, num_tokens, hits):
+            if not may_preempt:
+                return False
+            victim = self.scheduler.preempt()
+            self.kv_cache_manager.free(victim)
+            self._counters.preemptions += 1
+            if victim is seq:
+                return False
+        return True
+
+    def _count_prefill_chunk(self, seq: Sequence, adopted: int, computed: int, hit: bool) -> None:
+        """A request counts from its first chunk; cache figures are about its prompt, and a
+        resumed sequence's adoption is counted apart (it is what makes recompute cheap)."""
+        c = self._counters
+        c.computed_prefill_tokens += computed
+        if seq.num_preemptions:
+            c.resumed_cached_tokens += adopted
+            return
+        if seq.prefill_offset == 0:
+            c.requests += 1
+            c.prompt_tokens += seq.prompt_len
+        c.requests_hit += hit
+        c.cached_tokens += adopted
+
+    def _append_output(self, seq: Sequence, num_computed: int, last_logits: torch.Tensor) -> None:
+        """The model computed the sequence's tokens up to ``num_computed``: a decode token, or
+        a chunk that ends the prefill, yields the next token (greedy)."""
+        if seq.status is SequenceStatus.PREFILLING:
+            seq.prefill_offset = num_computed
+            if not seq.is_prefill_done:
+                return
             seq.status = SequenceStatus.RUNNING
-            seq.append_token(int(logits[-1].argmax()))
+        seq.append_token(int(last_logits.argmax()))
 
-    def _do_decode_step(self, seq: Sequence) -> None:
-        chunk, position = self._schedule_decode_token(seq)
-        logits = self.model(chunk, seq.block_table, position)
-        self.kv_cache_manager.cache_blocks(seq, position + 1)  # output blocks are cached too
-        seq.append_token(int(logits[-1].argmax()))
+    def _finish_round(self, scheduled: list[Sequence]) -> None:
+        """Finished sequences give their blocks back and hand in their output."""
+        self._counters.rounds += bool(scheduled)
+        self._counters.seqs_scheduled += len(scheduled)
+        for seq in scheduled:
+            if seq.status is SequenceStatus.FINISHED:
+                self.kv_cache_manager.free(seq)
+                self._outputs[seq.seq_id] = seq.generated_ids
+        self.scheduler.remove_finished()

@@ -1,7 +1,9 @@
 """One step of the paged prefix-cache tutorial: a complete engine (see this folder's README)."""
 
+from common.stats import EngineStats
+
 from .block_manager import BlockManager, NoFreeBlocksError
-from .engine import EngineStats, PagedPrefixCacheEngine
+from .engine import PagedPrefixCacheEngine
 from .kv_cache_manager import KVCacheManager
 from .model import TinyTransformerPaged
 from .prefix_cache import PrefixCache

@@ -1,21 +1,21 @@
-"""PagedScheduler: who runs this round. No memory operation happens here.
+"""PagedScheduler: the queues of continuous batching. No memory operation happens here.
 
-The scheduler only moves sequences between its queues; the engine owns the KV cache manager and
-does every allocation and free. That is the chapter's split. vLLM draws the line elsewhere: its
-``Scheduler`` calls ``KVCacheManager.allocate_slots`` and ``free`` itself.
+The scheduler only moves sequences between its queues, by two rules: first come, first served
+for admission, and the most recently admitted is the first to go back when memory runs short
+(vLLM's FCFS policy). The engine decides when, and its KV cache manager does every allocation
+and free: that is the chapter's split. vLLM draws the line elsewhere: its ``Scheduler`` calls
+``KVCacheManager.allocate_slots`` and ``free`` itself.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 
 from .sequence import Sequence, SequenceStatus
 
 
 class PagedScheduler:
-    """Continuous batching: each round, refill the running set from the queue and split it into
-    sequences that still prefill and sequences that decode, so both kinds share every round."""
+    """``waiting``: the queue, head first. ``running``: the admitted sequences, oldest first."""
 
     def __init__(self, max_running: int) -> None:
         if max_running < 1:
@@ -29,24 +29,41 @@ class PagedScheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(
-            s.status is not SequenceStatus.FINISHED for s in self.running
-        )
+        return bool(self.waiting or self.running)
 
-    def schedule(
-        self,
-        can_admit: Callable[[Sequence], bool] = lambda seq: True,
-    ) -> tuple[list[Sequence], list[Sequence]]:
-        """Return ``(prefill_seqs, decode_seqs)`` for this round.
+    def next_waiting(self) -> Sequence | None:
+        """The head of the queue, if the running set has room for one more. Nobody behind it
+        is considered: the head waits rather than being overtaken."""
+        if self.waiting and len(self.running) < self.max_running:
+            return self.waiting[0]
+        return None
 
-        ``can_admit`` is the engine's answer to "is there memory for this one?". Admission is
-        first come, first served: the head of the queue waits rather than being overtaken.
-        """
+    def admit(self, seq: Sequence) -> None:
+        """The head of the queue joins the running set (the engine found room for its chunk)."""
+        if not self.waiting or self.waiting[0] is not seq:
+            raise ValueError(f"sequence {seq.seq_id} is not at the head of the queue")
+        self.running.append(self.waiting.popleft())
+        seq.status = SequenceStatus.PREFILLING
+
+    def preempt(self) -> Sequence:
+        """The youngest running sequence goes back to the head of the queue, to start its
+        prefill again (vLLM: ``Scheduler._preempt_request``). Taking the youngest means the
+        oldest always makes progress: the engine cannot livelock."""
+        seq = self.running.pop()
+        seq.status = SequenceStatus.PREEMPTED
+        seq.prefill_offset = 0
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        return seq
+
+    def remove_finished(self) -> None:
         self.running = [s for s in self.running if s.status is not SequenceStatus.FINISHED]
-        while self.waiting and len(self.running) < self.max_running and can_admit(self.waiting[0]):
-            seq = self.waiting.popleft()
-            seq.status = SequenceStatus.PREFILLING
-            self.running.append(seq)
-        prefill = [s for s in self.running if s.status is SequenceStatus.PREFILLING]
-        decode = [s for s in self.running if s.status is SequenceStatus.RUNNING]
-        return prefill, decode
+
+    def remove(self, seq_id: int) -> Sequence:
+        """Take a queued or running sequence out of the queues (an abort); KeyError if none."""
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.seq_id == seq_id:
+                    queue.remove(seq)
+                    return seq
+        raise KeyError(f"request {seq_id} is not queued or running")

@@ -14,7 +14,8 @@ class SequenceStatus(Enum):
     WAITING = auto()  # queued, no blocks yet
     PREFILLING = auto()  # admitted; prompt being processed one block-sized chunk per round
     RUNNING = auto()  # prompt done; one decode token per round
-    FINISHED = auto()  # max_new_tokens reached or an eos produced; blocks released
+    PREEMPTED = auto()  # its blocks were taken back; queued again, to recompute its tokens
+    FINISHED = auto()  # max_new_tokens reached, an eos produced, or aborted; blocks released
 
 
 @dataclass(eq=False)
@@ -31,8 +32,11 @@ class Sequence:
     # Entries of block_table adopted from the prefix cache (retained, not allocated). Not only
     # leading ones: a sequence adopts whatever others cached whenever its prefill reaches it.
     hit_block_ids: list[int] = field(default_factory=list)
-    prefill_offset: int = 0  # prompt tokens whose KV is in the pool (cached or computed)
+    # Tokens whose KV is in the pool (cached or computed) while prefilling: the prompt's, and
+    # after a preemption the output's too, since a resumed sequence prefills both again.
+    prefill_offset: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
+    num_preemptions: int = 0
 
     @property
     def prompt_len(self) -> int:
@@ -49,7 +53,9 @@ class Sequence:
 
     @property
     def is_prefill_done(self) -> bool:
-        return self.prefill_offset >= self.prompt_len
+        """While prefilling: every token so far has its KV (the prompt's, or on resume the
+        prompt's and the output's), so the next model call samples a new token."""
+        return self.prefill_offset >= self.num_tokens
 
     @property
     def last_token_id(self) -> int:

@@ -113,6 +113,13 @@ class PrefixCache:
             self._remove(victim)
             self.num_evictions += 1
 
+    def clear(self) -> None:
+        """Forget every entry: each block loses the cache's reference, and one that no request
+        holds goes back to the free pool."""
+        self.block_manager.free(list(self._lru))
+        self._by_hash.clear()
+        self._lru.clear()
+
     def _remove(self, entry: CachedBlock) -> None:
         del self._by_hash[entry.block_hash]
         del self._lru[entry.block_id]

@@ -53,7 +53,7 @@ class BlockManager:
         return ids
 
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference to each block a caller allocated (all or nothing)."""
+        """Drop one reference to each block (all or nothing): a checked loop of ``release``."""
         # Check everything first: a bad call must not leave half of its blocks freed.
         for block_id, n in Counter(block_ids).items():
             if self._block(block_id).ref_count < n:

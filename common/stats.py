@@ -1,0 +1,50 @@
+"""EngineStats: what an engine did and where its blocks are. The same in every step, because
+batching changes speed, never what is shared: every step reports the same figures on the same
+requests (the tests hold them to it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineStats:
+    # Requests, counted once each, when their first chunk is scheduled. The cache figures are
+    # about prompts: with the prefix cache off, nothing is ever hit or adopted.
+    requests: int = 0
+    requests_hit: int = 0  # ... of which at least one prompt block came from the cache
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the cache (adopted blocks)
+    # What went through the model (a resumed sequence's prefill included).
+    computed_prefill_tokens: int = 0
+    computed_decode_tokens: int = 0  # generated tokens fed back through the model
+    # Memory pressure: a preempted sequence gives its blocks back, then prefills its prompt and
+    # output again, adopting what the cache still holds of them.
+    preemptions: int = 0
+    resumed_cached_tokens: int = 0  # tokens a resumed sequence got back from the cache
+    rounds: int = 0  # rounds that ran at least one sequence
+    seqs_scheduled: int = 0  # sequences run, summed over the rounds
+    # The pool now (evictions and blocks_peak: since the engine was made).
+    evictions: int = 0
+    blocks_free: int = 0  # in the free pool
+    blocks_cached: int = 0  # held by the prefix cache (maybe also by requests)
+    blocks_used: int = 0  # held by running requests
+    blocks_peak: int = 0  # the most blocks out of the free pool at once: the KV memory held
+
+    @property
+    def hit_rate(self) -> float:
+        return self.requests_hit / self.requests if self.requests else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def seqs_per_round(self) -> float:
+        """How many sequences a round ran, on average: what memory let the batch hold."""
+        return self.seqs_scheduled / self.rounds if self.rounds else 0.0
+
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens that went through the model: what the cache did not save."""
+        return self.computed_prefill_tokens + self.computed_decode_tokens
