@@ -60,6 +60,17 @@ def check_request(
     return Request(prompt, int(max_new_tokens), eos)
 
 
+def check_requests(
+    prompts: object, max_new_tokens: object, eos_token_id: object, cfg: ModelConfig
+) -> list[Request]:
+    """``check_request`` for every prompt of a batch, before any is queued: a bad one leaves
+    the engine untouched. The checked requests are what the engine queues (a prompt given as
+    a one-shot iterator is read once)."""
+    if isinstance(prompts, (str, bytes)):
+        raise ValueError("prompts must be a list of prompts (lists of token ids), not text")
+    return [check_request(p, max_new_tokens, eos_token_id, cfg) for p in prompts]
+
+
 def is_int(x: object) -> bool:
     """An integer of any kind (Python, NumPy, a 0-d integer tensor), but not a bool."""
     # ``type(x) is int`` answers the usual case at once; the ABC check is ~20x slower, which

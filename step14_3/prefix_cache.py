@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+
 from .block_manager import BlockManager
 
 
@@ -25,9 +27,17 @@ class CachedBlock:
 
 
 class PrefixCache:
-    def __init__(self, block_manager: BlockManager, block_size: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        block_size: int,
+        events: list[KVCacheEvent] | None = None,
+    ) -> None:
         self.block_manager = block_manager
         self.block_size = block_size
+        # Where each change of the cache's content is recorded (vLLM's KV cache events); None:
+        # nothing is (the default: then a change costs one `is None` check, nothing more).
+        self.events = events
         self._by_hash: dict[int, CachedBlock] = {}
         # block id → entry, least recently used first: the eviction order.
         self._lru: OrderedDict[int, CachedBlock] = OrderedDict()
@@ -84,6 +94,11 @@ class PrefixCache:
         self._lru[block_id] = entry
         if parent_id is not None:
             self._lru[parent_id].num_children += 1
+        if self.events is not None:
+            parent_hash = self._lru[parent_id].block_hash if parent_id is not None else None
+            self.events.append(
+                BlockStored([block_hash], parent_hash, list(token_ids), self.block_size)
+            )
         return True
 
     def touch(self, block_ids: list[int]) -> None:
@@ -119,6 +134,8 @@ class PrefixCache:
         self.block_manager.free(list(self._lru))
         self._by_hash.clear()
         self._lru.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
 
     def _remove(self, entry: CachedBlock) -> None:
         del self._by_hash[entry.block_hash]
@@ -126,3 +143,5 @@ class PrefixCache:
         if entry.parent_id is not None:
             self._lru[entry.parent_id].num_children -= 1
         self.block_manager.free([entry.block_id])  # the cache's reference: back to the pool
+        if self.events is not None:
+            self.events.append(BlockRemoved([entry.block_hash]))

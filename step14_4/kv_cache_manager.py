@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from common import hashing
 from common.inputs import cdiv
+from common.kv_events import KVCacheEvent
 
 from .block_manager import BlockManager
 from .prefix_cache import PrefixCache
@@ -24,11 +25,20 @@ from .sequence import Sequence
 
 
 class KVCacheManager:
-    def __init__(self, total_blocks: int, block_size: int, enable_prefix_cache: bool) -> None:
+    def __init__(
+        self,
+        total_blocks: int,
+        block_size: int,
+        enable_prefix_cache: bool,
+        enable_kv_cache_events: bool = False,
+    ) -> None:
         self.block_size = block_size
         self.block_manager = BlockManager(total_blocks)
+        self.events: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None
         self.prefix_cache = (
-            PrefixCache(self.block_manager, block_size) if enable_prefix_cache else None
+            PrefixCache(self.block_manager, block_size, self.events)
+            if enable_prefix_cache
+            else None
         )
 
     @property
@@ -80,6 +90,14 @@ class KVCacheManager:
             token_ids[num_tokens - self.block_size : num_tokens],
             parent_id,
         )
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV cache events since the last call, oldest first (empty when events are off)."""
+        if self.events is None:
+            return []
+        taken = list(self.events)
+        self.events.clear()  # in place: the prefix cache appends to this very list
+        return taken
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block: each goes back to the free pool (the caller makes sure no

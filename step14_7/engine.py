@@ -19,7 +19,8 @@ from dataclasses import replace
 
 import torch
 
-from common.inputs import Request, check_request
+from common.inputs import Request, check_request, check_requests
+from common.kv_events import KVCacheEvent
 from common.stats import EngineStats
 
 from .kv_cache_manager import KVCacheManager
@@ -32,12 +33,16 @@ Work = tuple[Sequence, list[int], int]  # a sequence, the token ids to run, the 
 
 class PagedPrefixCacheEngine:
     def __init__(
-        self, model: TinyTransformerPaged, max_running: int = 8, enable_prefix_cache: bool = True
+        self,
+        model: TinyTransformerPaged,
+        max_running: int = 8,
+        enable_prefix_cache: bool = True,
+        enable_kv_cache_events: bool = False,
     ) -> None:
         self.model = model
         self.block_size = model.cfg.block_size
         self.kv_cache_manager = KVCacheManager(
-            model.cfg.total_blocks, self.block_size, enable_prefix_cache
+            model.cfg.total_blocks, self.block_size, enable_prefix_cache, enable_kv_cache_events
         )
         self.scheduler = PagedScheduler(max_running)
         self._counters = EngineStats()
@@ -72,14 +77,14 @@ class PagedPrefixCacheEngine:
         self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: object = None
     ) -> list[list[int]]:
         """Serve all prompts together (continuous batching); returns generated ids per prompt."""
-        requests = self._check_all(prompts, max_new_tokens, eos_token_id)
+        requests = check_requests(prompts, max_new_tokens, eos_token_id, self.model.cfg)
         return self._run([self._queue(r) for r in requests])
 
     def generate_serial(
         self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: object = None
     ) -> list[list[int]]:
         """Serve prompts one at a time, through the same engine and cache."""
-        requests = self._check_all(prompts, max_new_tokens, eos_token_id)
+        requests = check_requests(prompts, max_new_tokens, eos_token_id, self.model.cfg)
         return [self._run([self._queue(r)])[0] for r in requests]
 
     def abort(self, request_id: int) -> list[int]:
@@ -98,6 +103,12 @@ class PagedPrefixCacheEngine:
             return False
         self.kv_cache_manager.reset_prefix_cache()
         return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """What happened to the prefix cache since the last call, oldest first: vLLM's KV cache
+        events (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``). Needs
+        ``enable_kv_cache_events=True``; otherwise always empty."""
+        return self.kv_cache_manager.take_events()
 
     def pop_output(self, request_id: int) -> list[int]:
         """The generated ids of a finished request, handed out once (``add_request`` + ``step``
@@ -122,13 +133,6 @@ class PagedPrefixCacheEngine:
         return self.kv_cache_manager.ref_count_problems()
 
     # ---- requests in, outputs out -----------------------------------------------------------
-
-    def _check_all(self, prompts: object, max_new_tokens: object, eos: object) -> list[Request]:
-        """Every prompt checked before any is queued: a bad one leaves the engine untouched.
-        The checked requests are what gets queued (a one-shot iterator is read once)."""
-        if isinstance(prompts, (str, bytes)):
-            raise ValueError("prompts must be a list of prompts (lists of token ids), not text")
-        return [check_request(p, max_new_tokens, eos, self.model.cfg) for p in prompts]
 
     def _queue(self, request: Request) -> int:
         seq = Sequence(

@@ -1,0 +1,61 @@
+"""KV cache events, as vLLM publishes them (``vllm/distributed/kv_events.py``).
+
+Every change of the prefix cache's content is one event: a block stored under its hash, blocks
+removed (evicted), or the whole cache cleared. A KV-aware router that runs several engines
+consumes exactly these to send a request where its prefix already lives; here they let a
+learner (and the tests) watch the cache. Replaying the stream in order rebuilds the cache's
+content: hash -> (parent hash, token ids).
+
+The field names are vLLM's. Hashes are this project's chain hashes (``common/hashing.py``);
+block ids, which differ from engine to engine, are never part of an event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Full blocks entered the cache, in chain order (here always one block per event)."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None  # the hash of the block before the first one; None: a root
+    token_ids: list[int]  # the tokens of every stored block, concatenated
+    block_size: int
+    lora_id: int | None = None  # vLLM's field; this engine has no LoRA adapters
+    medium: str | None = None  # vLLM's field: where the block lives (one pool here)
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """Blocks left the cache (evicted): their hashes no longer name anything."""
+
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """The whole cache was emptied (``reset_prefix_cache``)."""
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def replay(events: list[KVCacheEvent], content: dict | None = None) -> dict:
+    """Apply ``events`` in order to ``content`` (hash -> (parent hash, token ids)), which
+    starts empty; returns it. What a consumer of the stream keeps."""
+    content = {} if content is None else content
+    for event in events:
+        if isinstance(event, AllBlocksCleared):
+            content.clear()
+        elif isinstance(event, BlockRemoved):
+            for block_hash in event.block_hashes:
+                del content[block_hash]
+        else:
+            parent, size = event.parent_block_hash, event.block_size
+            for i, block_hash in enumerate(event.block_hashes):
+                content[block_hash] = (parent, tuple(event.token_ids[i * size : (i + 1) * size]))
+                parent = block_hash
+    return content
