@@ -6,11 +6,12 @@
 - requests: ``tokens``, ``blocks_needed``, ``life_in_rounds``, ``truncate_at``;
 - driving an engine: ``run_rounds``, ``log_schedules``, ``guard_against_hangs``,
   ``assert_engine_matches_reference``;
-- a step's files as they are on disk: ``step_files``.
+- a step's files as they are on disk: ``step_files``, ``function_tree``, ``python_loops``.
 """
 
 from __future__ import annotations
 
+import ast
 import random
 from collections.abc import Callable
 from functools import cache
@@ -185,3 +186,18 @@ def step_files(step_name: str) -> dict[str, bytes]:
         for p in folder.rglob("*")
         if p.is_file() and "__pycache__" not in p.parts
     }
+
+
+def function_tree(step_name: str, file: str, qualname: str) -> ast.FunctionDef:
+    """The syntax tree of ``Class.method`` (or a module-level function) in a step's file."""
+    tree = ast.parse((ROOT / step_name / file).read_text())
+    *owners, name = qualname.split(".")
+    for owner in owners:
+        tree = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == owner)
+    return next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def python_loops(function: ast.FunctionDef) -> list[str]:
+    """The Python-level loops of a function: ``for``, ``while`` and comprehensions."""
+    kinds = (ast.For, ast.While, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+    return [ast.unparse(n).split("\n")[0] for n in ast.walk(function) if isinstance(n, kinds)]
