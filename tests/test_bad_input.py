@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.conftest import EngineFactory, reference_tokens, tiny_config
+from tests.helpers import EngineFactory, reference_tokens, tiny_config
 
 BLOCK_SIZE = 4
 TOTAL_BLOCKS = 8  # the pool holds 32 token slots: a request of 33 can never run
@@ -206,8 +206,8 @@ def test_a_bool_is_not_an_integer_anywhere(make_engine: EngineFactory, bad: BadR
 def test_a_one_shot_iterable_prompt_is_served_or_refused_whole(
     make_engine: EngineFactory, serial: bool
 ) -> None:
-    """_as_token_list takes any iterable of ints; generate must then either serve it (what
-    add_request does with it) or refuse the whole call and change nothing."""
+    """``common.inputs.as_token_list`` takes any iterable of ints; generate must then either
+    serve it (what add_request does with it) or refuse the whole call and change nothing."""
     engine = make_engine(CFG)
     run = engine.generate_serial if serial else engine.generate
     try:

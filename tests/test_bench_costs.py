@@ -25,7 +25,7 @@ from bench.costs import (
 )
 from bench.harness import RunResult, StepRunner, Workload, bench_config
 from common.config import preset
-from tests.conftest import STEP_NAMES
+from tests.helpers import STEP_NAMES
 
 WORKLOAD = Workload(num_requests=3, prefix_len=12, tail_len=5, max_new_tokens=4, max_running=3)
 CFG = bench_config(WORKLOAD, "tiny", num_kv_heads=2)  # grouped-query: k/v narrower than q

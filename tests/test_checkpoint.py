@@ -3,13 +3,16 @@ text in and text out through every step, and the loader's refusals.
 
 The checkpoint is a tiny ``LlamaForCausalLM`` with everything current Llama checkpoints use
 (grouped-query attention, tied embeddings, ``llama3`` RoPE scaling) and a word-level
-``tokenizer.json`` built here; HF's own ``generate`` on it is the oracle for the text.
+``tokenizer.json`` built here; HF's own ``generate`` on it is the oracle for the text. The same
+checkpoint goes through ``--model DIR`` of ``python -m bench`` and of every step's ``run.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -25,11 +28,13 @@ pytest.importorskip("tokenizers")
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
+from bench import showcase
 from common.checkpoint import config_from_hf, eos_token_ids, load_checkpoint
 from common.config import Llama3RopeScaling, preset
 from common.hf import hf_llama
 from common.text import add_model_args, encode_prompts, generate_text, load_tokenizer, run_text
 from common.weights import CheckpointError
+from tests.helpers import STEP_NAMES
 
 WORDS = [
     "the",
@@ -441,3 +446,53 @@ def test_loaded_weights_are_cast_once_and_shared(checkpoint: dict[str, object]) 
     last.load_weights(weights)
     name = "model.layers.0.mlp.gate_proj.weight"
     assert first.state_dict()[name].data_ptr() == last.state_dict()[name].data_ptr()
+
+
+# ---- --model DIR: python -m bench and every step's run.py ----------------------------------
+
+
+def test_bench_runs_on_a_checkpoint(checkpoint: dict[str, object], tmp_path: Path, capsys) -> None:
+    """Every row (two steps, warm prefix, no cache, HF) computes with the checkpoint's weights
+    and config, and all of them give the dense reference's tokens."""
+    folder = checkpoint["single"]
+    argv = "--requests 3 --prefix-len 8 --tail-len 3 --new-tokens 3 --repeats 1 --block-size 4"
+    steps = f"{STEP_NAMES[0]},{STEP_NAMES[-1]}"
+    code = showcase.main(
+        [*argv.split(), "--model", str(folder), "--steps", steps, "--out", str(tmp_path)]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"model {folder}: d_model=64, 2 layers, 4 heads, vocab 62," in out
+    assert "| HF generate " in out and f"| {STEP_NAMES[-1]} (warm prefix) " in out
+    assert "every row produced the same tokens as the dense reference model" in out
+    data = json.loads((tmp_path / "results.json").read_text())
+    model = data["settings"]["model"]
+    assert (model["num_kv_heads"], model["tie_word_embeddings"], model["seed"]) == (
+        "2",
+        "True",
+        "None",
+    )
+    assert data["settings"]["model_name"] == str(folder)
+
+
+@pytest.mark.parametrize("step_name", [STEP_NAMES[0], STEP_NAMES[-1]])
+def test_run_py_serves_text_from_a_checkpoint(
+    step_name: str, checkpoint: dict[str, object], capsys
+) -> None:
+    """``python -m <step>.run --model DIR --system ... --prompt ...``: HF's answers, word for
+    word, and the shared system prompt served from the prefix cache."""
+    run = importlib.import_module(f"{step_name}.run")
+    argv = ["--model", str(checkpoint["single"]), "--system", SYSTEM, "--block-size", "4"]
+    argv += ["--max-new-tokens", str(NEW_TOKENS)]
+    for prompt in PROMPTS:
+        argv += ["--prompt", prompt]
+    assert run.main(argv) == 0
+    out = capsys.readouterr().out
+    decode = checkpoint["tokenizer"].decode
+    for prompt, ids in zip(PROMPTS, checkpoint["expected"]):
+        assert f"] {prompt}\n" in out
+        assert f"-> {decode(ids, skip_special_tokens=True)}  ({len(ids)} tokens)" in out
+    assert out.startswith(f"{step_name}: {checkpoint['single']}")
+    cache = re.search(r"prefix cache: \d+/3 requests hit, (\d+)/(\d+) prompt tokens", out)
+    assert cache is not None, out
+    assert 0 < int(cache[1]) < int(cache[2])

@@ -22,7 +22,7 @@ from bench import report, showcase
 from bench.harness import RunResult, Workload
 from common import demo
 from common.config import preset
-from tests.conftest import STEP_NAMES
+from tests.helpers import STEP_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = importlib.import_module(f"{STEP_NAMES[0]}.run")
@@ -110,7 +110,7 @@ def test_bench_refuses_an_out_that_is_a_file(tmp_path: Path, capsys) -> None:
 @pytest.mark.usefixtures("no_work")
 def test_bench_model_directory_needs_a_config_json(tmp_path, capsys) -> None:
     """A folder that is not a checkpoint is refused by the --model type, before any work (a
-    real checkpoint runs: tests/test_model_dir.py)."""
+    real checkpoint runs: tests/test_checkpoint.py)."""
     line = expect_usage_error(showcase.main, ["--model", str(tmp_path)], capsys)
     assert "is neither a preset" in line and "no config.json" in line
 

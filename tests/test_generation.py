@@ -1,4 +1,10 @@
-"""End-to-end greedy generation: every way of driving the engine gives the reference's tokens."""
+"""End-to-end greedy generation: every way of driving the engine gives the reference's tokens.
+
+The specification: batched or serial, through ``generate`` or round by round, with a cold, a
+hot or a disabled cache, in float64 or float32, the tokens are the dense reference's; a request
+stops exactly at ``max_new_tokens`` or just after its first eos (even as its first token); and
+the model is worth testing against (its generations are not degenerate).
+"""
 
 from __future__ import annotations
 
@@ -9,14 +15,18 @@ import pytest
 import torch
 
 from common.config import ModelConfig
+from common.inputs import cdiv
 from common.workload import demo_prompts, shared_prefix_prompts
-from tests.conftest import (
+from tests.helpers import (
     EngineFactory,
     assert_engine_matches_reference,
     reference_tokens,
     tiny_config,
+    tokens,
+    truncate_at,
 )
 
+CFG = tiny_config()
 MAX_NEW = 10
 
 
@@ -53,10 +63,6 @@ def drive(engine: object, prompts: list[list[int]], max_new: int) -> tuple[list[
         engine.step()
         rounds += 1
     return ids, rounds
-
-
-def truncate_at(tokens: list[int], eos: int) -> list[int]:
-    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
 
 
 # ---- parity with the reference --------------------------------------------------------------
@@ -109,6 +115,28 @@ def test_eos_stops_request_at_first_eos(make_engine: EngineFactory) -> None:
     assert expected(prompts, 16, eos) == want  # the oracle agrees on what stopping means
 
 
+def test_eos_as_the_first_generated_token_stops_with_exactly_that_token(
+    make_engine: EngineFactory,
+) -> None:
+    """The first token comes out of the last prefill chunk; if it is eos the request is done,
+    with that one token, and the others in the batch go on unaffected."""
+    prompts = [tokens(300 + i, n) for i, n in enumerate((6, 1, 9, 4))]
+    full = reference_tokens(CFG, prompts, 8)
+    eos = full[2][0]
+    want = [truncate_at(out, eos) for out in full]
+    assert want[2] == [eos]
+    assert make_engine(max_running=4).generate(prompts, 8, eos_token_id=eos) == want
+    serial = make_engine(max_running=1).generate_serial(prompts, 8, eos_token_id=eos)
+    assert serial == want
+
+
+def test_request_stops_at_max_new_tokens_exactly(make_engine: EngineFactory) -> None:
+    prompts = [tokens(310 + i, n) for i, n in enumerate((3, 8, 1))]
+    for max_new in (1, 2, 5):
+        outputs = make_engine().generate(prompts, max_new)
+        assert [len(o) for o in outputs] == [max_new] * len(prompts)
+
+
 def test_one_new_token(make_engine: EngineFactory) -> None:
     outputs = assert_engine_matches_reference(make_engine(), mixed_prompts(), 1)
     assert all(len(tokens) == 1 for tokens in outputs)
@@ -129,7 +157,7 @@ def test_step_api_matches_generate(make_engine: EngineFactory) -> None:
     assert len(set(ids)) == len(ids)
     via_step = [engine.pop_output(i) for i in ids]
     assert via_step == make_engine().generate(prompts, MAX_NEW) == expected(prompts)
-    prefill_rounds = max(-(-len(p) // cfg.block_size) for p in prompts)
+    prefill_rounds = max(cdiv(len(p), cfg.block_size) for p in prompts)
     assert rounds == prefill_rounds + MAX_NEW - 1
 
 

@@ -23,6 +23,7 @@ import common.layers
 import common.reference
 from common.config import Llama3RopeScaling, ModelConfig, preset
 from common.hf import hf_llama
+from common.inputs import cdiv
 from common.reference import ReferenceModel
 
 # HF computes its RoPE angles in float32 even for a float64 model, so against our float64
@@ -109,7 +110,7 @@ def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def chunked_logits(model: torch.nn.Module, tokens: list[int], sizes: list[int]) -> torch.Tensor:
     """The paged model fed chunk by chunk through a scattered block table."""
     cfg = model.cfg
-    n_blocks = -(-len(tokens) // cfg.block_size)
+    n_blocks = cdiv(len(tokens), cfg.block_size)
     table = random.Random(1).sample(range(cfg.total_blocks), n_blocks)
     logits, start = [], 0
     for size in sizes:

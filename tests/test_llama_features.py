@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from common.config import Llama3RopeScaling, ModelConfig, preset
+from common.inputs import cdiv
 from common.layers import llama3_scaled_inv_freq, rope_inv_freq
 from common.reference import ReferenceModel
 from common.weights import CheckpointError, make_state_dict
-from tests.conftest import reference_model, tiny_config
+from tests.helpers import reference_model, tiny_config
 
 F64_REL_TOL = 1e-9  # as in tests/test_model.py: only summation order differs
 LLAMA3 = Llama3RopeScaling(4.0, 1.0, 4.0, 32)
@@ -39,7 +40,7 @@ def test_paged_forward_matches_reference_exactly(step: ModuleType, name: str) ->
     cfg = tiny_config(**FEATURES[name])
     rng = random.Random(5)
     tokens = [rng.randrange(cfg.vocab_size) for _ in range(23)]
-    table = rng.sample(range(cfg.total_blocks), -(-23 // cfg.block_size))
+    table = rng.sample(range(cfg.total_blocks), cdiv(23, cfg.block_size))
     model = step.TinyTransformerPaged(cfg)
     logits, start = [], 0
     for size in (4, 1, 9, 1, 8):

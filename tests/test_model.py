@@ -13,9 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.config import ModelConfig
+from common.inputs import cdiv
 from common.layers import RMSNorm, apply_rope, rope_cos_sin
 from common.reference import ReferenceModel
-from tests.conftest import reference_model, tiny_config
+from tests.helpers import reference_model, tiny_config
 
 # float64 parity: only summation order differs, so errors are ~1e-14 of the logit scale.
 F64_REL_TOL = 1e-9
@@ -40,7 +41,7 @@ def random_tokens(cfg: ModelConfig, n: int, seed: int) -> list[int]:
 
 
 def blocks_for(cfg: ModelConfig, n_tokens: int) -> int:
-    return -(-n_tokens // cfg.block_size)
+    return cdiv(n_tokens, cfg.block_size)
 
 
 def run_in_chunks(

@@ -1,8 +1,10 @@
-"""The block-granular prefix cache, observed through each step's engine.
+"""The block-granular prefix cache, observed through each step's engine, and on its own.
 
 A cache hit replaces computation with shared KV, so every test here checks two things: that the
 hit happened where the design says it must (full blocks, whole chains, LRU eviction), and that
-the tokens are still exactly the dense reference's, i.e. that no hit ever served wrong KV.
+the tokens are still exactly the dense reference's, i.e. that no hit ever served wrong KV. The
+chain hash (``common.hashing``) is specified here too, and ``PrefixCache`` alone (insert,
+match, evict) at the end.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from common import hashing
 from common.workload import demo_prompts, random_shared_prefix_prompts, shared_prefix_prompts
-from tests.conftest import assert_engine_matches_reference, reference_tokens, tiny_config
+from tests.helpers import assert_engine_matches_reference, reference_tokens, tiny_config, tokens
 
 CFG = tiny_config()
 BS = CFG.block_size
@@ -35,12 +37,6 @@ class Served:
     output: list[int]
     cached_tokens: int
     hit: bool
-
-
-def tokens(seed: int, n: int, low: int = 0) -> list[int]:
-    """``n`` random token ids in ``[low, VOCAB)``; distinct seeds give unrelated prompts."""
-    rng = random.Random(seed)
-    return [rng.randrange(low, VOCAB) for _ in range(n)]
 
 
 def serve(engine, prompt: list[int], max_new_tokens: int = 3) -> Served:

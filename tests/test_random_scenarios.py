@@ -25,9 +25,10 @@ import pytest
 
 from common.config import ModelConfig
 from common.hashing import hash_prefix_blocks
+from common.inputs import cdiv
 from common.steps import load_step
 from common.workload import random_shared_prefix_prompts
-from tests.conftest import (
+from tests.helpers import (
     EngineFactory,
     blocks_needed,
     reference_tokens,
@@ -279,7 +280,7 @@ class BlockBookkeeping:
         self.counters["cached_tokens"] += len(hits) * self.bs
 
     def allocate_slots(self, seq: ModelSeq, kv_tokens: int) -> None:
-        missing = -(-kv_tokens // self.bs) - len(seq.table)
+        missing = cdiv(kv_tokens, self.bs) - len(seq.table)
         if missing <= 0:
             return
         if missing > self.free and self.cache_on:

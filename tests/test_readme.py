@@ -3,7 +3,7 @@
 Pages that a newcomer copies from must not rot. Each Python example is executed here (they use
 the tiny model, so all of them take seconds). The commands the pages show follow the rules the
 README states (the venv activated once, then ``python -m ...`` everywhere) and name modules,
-paths, extras and flags that exist. Every relative link leads to a file, and an anchor to a
+paths, scripts, extras and flags that exist. Every relative link leads to a file, and an anchor to a
 heading of that file. The reference tables name every ``EngineStats`` field and every column of
 ``python -m bench``, and the results tables show the figures of ``docs/results-cpu.json``. The
 top README stays short, in the order a newcomer needs.
@@ -177,13 +177,15 @@ def test_the_first_diff_shows_only_code() -> None:
 
 
 def test_commands_name_modules_paths_and_extras_that_exist() -> None:
-    """What a fresh clone needs for each command: ``python -m`` modules, the test paths given
-    to pytest, the directories given to diff, the extras given to pip."""
+    """What a fresh clone needs for each command: ``python -m`` modules, ``python`` scripts,
+    the test paths given to pytest, the directories given to diff, the extras given to pip."""
     pyproject = (ROOT / "pyproject.toml").read_text()
     for page, command in all_commands():
         words = shlex.split(command)
         if words[:2] == ["python", "-m"]:
             assert importlib.util.find_spec(words[2]) is not None, (page, command)
+        if words[0] == "python" and words[1].endswith(".py"):
+            assert (ROOT / words[1]).is_file(), (page, command)
         if words[:3] == ["python", "-m", "pytest"]:
             args = iter(words[3:])
             for arg in args:
@@ -200,10 +202,11 @@ def test_commands_name_modules_paths_and_extras_that_exist() -> None:
 
 
 @cache
-def known_flags(module: str) -> set[str]:
-    """The flags ``python -m <module> --help`` lists."""
+def known_flags(program: str) -> set[str]:
+    """The flags ``python -m <module> --help`` (or ``python <script.py> --help``) lists."""
+    target = [program] if program.endswith(".py") else ["-m", program]
     out = subprocess.run(
-        [sys.executable, "-m", module, "--help"],
+        [sys.executable, *target, "--help"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -215,15 +218,19 @@ def known_flags(module: str) -> set[str]:
 
 def test_flags_in_the_pages_exist() -> None:
     """Every ``--flag`` a page gives ``python -m bench``, a step's ``run`` or
-    ``tests.mutants`` is one its parser knows."""
+    ``tools/mutants.py`` is one its parser knows."""
     shown: dict[str, set[str]] = {}
     for _, command in all_commands():
         words = shlex.split(command)
         if words[:2] == ["python", "-m"] and words[2] != "pytest":
             flags = {w.split("=")[0] for w in words[3:] if w.startswith("--")}
             shown.setdefault(words[2], set()).update(flags)
+        if words[0] == "python" and words[1].endswith(".py"):
+            flags = {w.split("=")[0] for w in words[2:] if w.startswith("--")}
+            shown.setdefault(words[1], set()).update(flags)
     assert "--no-reference" in shown["bench"], "the pages say how to skip the slow check"
     assert "--model" in shown["step14_7.run"], "docs/real-models.md serves a checkpoint"
+    assert "--list" in shown["tools/mutants.py"], "docs/testing.md shows the mutation check"
     for module, flags in shown.items():
         assert flags <= known_flags(module), (module, flags - known_flags(module))
 

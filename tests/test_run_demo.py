@@ -8,7 +8,7 @@ import re
 import pytest
 
 from common import demo
-from tests.conftest import STEP_NAMES
+from tests.helpers import STEP_NAMES
 
 ROUND = re.compile(
     r"^(?P<label>.+?)\s+[\d.]+ ms\s+hit rate (?P<hit>\d+% \(\d+/\d+\))\s+"

@@ -8,16 +8,16 @@ same ``EngineStats`` on the same requests, and the tokens are always the dense r
 
 from __future__ import annotations
 
-import random
 from dataclasses import asdict
 from functools import cache
 from types import ModuleType
 
 import pytest
 
+from common.inputs import cdiv
 from common.steps import load_step
 from common.workload import demo_prompts, shared_prefix_prompts
-from tests.conftest import EngineFactory, reference_tokens, tiny_config
+from tests.helpers import EngineFactory, reference_tokens, tiny_config, tokens
 
 CFG = tiny_config()
 BS = CFG.block_size
@@ -78,7 +78,7 @@ def test_requests_admitted_together_compute_each_shared_block_once(
     assert stats.computed_prefill_tokens == prefill
     assert stats.cached_tokens == (num_requests - 1) * prefix_blocks * BS
     assert stats.requests_hit == num_requests  # each adopts blocks the others computed
-    own_blocks = -(-(prefix_blocks * BS + tail + max_new - 1) // BS) - prefix_blocks
+    own_blocks = cdiv(prefix_blocks * BS + tail + max_new - 1, BS) - prefix_blocks
     assert stats.blocks_peak == prefix_blocks + num_requests * own_blocks  # the prefix once
 
 
@@ -87,7 +87,7 @@ def test_without_the_cache_every_request_holds_its_own_prefix(make_engine: Engin
     prompts = shared_prefix_prompts(3, 5 * BS, 2, CFG.vocab_size, seed=3)
     engine = make_engine(CFG, max_running=3, enable_prefix_cache=False)
     assert engine.generate(prompts, 3) == reference_tokens(CFG, prompts, 3)
-    assert engine.stats.blocks_peak == 3 * -(-(5 * BS + 2 + 3 - 1) // BS)
+    assert engine.stats.blocks_peak == 3 * cdiv(5 * BS + 2 + 3 - 1, BS)
     assert engine.stats.computed_prefill_tokens == 3 * (5 * BS + 2)
 
 
@@ -113,11 +113,6 @@ def test_leapfrogging_finishes_the_shared_prefill_in_fewer_rounds(
 # ---- output blocks are cached: a conversation's next turn -----------------------------------
 
 
-def random_tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(CFG.vocab_size) for _ in range(n)]
-
-
 @pytest.mark.parametrize(
     ("first_len", "max_new"),
     [(10, 9), (3 * BS, BS + 1), (2 * BS + 1, 2 * BS - 1), (1, 3)],
@@ -128,7 +123,7 @@ def test_second_turn_reuses_prompt_and_output(
 ) -> None:
     """Turn two's prompt is turn one's prompt + output + a new message: every full block of
     the history (all of it but the last generated token, which was never fed back) is a hit."""
-    first, message = random_tokens(first_len, first_len), random_tokens(-1, 5)
+    first, message = tokens(first_len, first_len), tokens(-1, 5)
     engine = make_engine(CFG)
     (answer,) = engine.generate([first], max_new)
     history = first + answer + message

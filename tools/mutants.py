@@ -1,19 +1,24 @@
 """Mutation check of the test suite: plant one small bug at a time, run that step's tests.
 
 Every mutant below is a realistic slip (a flipped comparison, an off-by-one, a dropped guard, a
-wrong order, a removed line) in one file of one step. The suite must catch each of them: a
-mutant that survives names a promise no test pins. Nothing here touches the working tree: the
-repository is copied to a temporary directory, and each mutant is planted in that copy and
-undone before the next.
+wrong order, a removed line) in one file of one step, or in a shared file of ``common/``. The
+suite must catch each of them: a mutant that survives names a promise no test pins. Nothing
+here touches the working tree: the repository is copied to a temporary directory, and each
+mutant is planted in that copy and undone before the next.
 
-    python -m tests.mutants                  # every mutant (about half an hour)
-    python -m tests.mutants --only s14-sched  # ids starting with a prefix
-    python -m tests.mutants --list            # the mutants, checked against the code
+    python tools/mutants.py                      # every mutant (about half an hour)
+    python tools/mutants.py --only s14-kvm       # the mutants whose id starts with a prefix
+    python tools/mutants.py --only s14_5,c-demo  # several prefixes
+    python tools/mutants.py --list               # the mutants, each checked to still apply
 
-A mutant counts as killed when the step's tests fail (or run past ``--timeout``). "That step's
-tests" are the tests whose ``step`` (or ``step_name``) parameter is the mutated step;
-``tests/test_structure.py`` is left out, since it would flag any edit to a step's files whatever
-the edit does.
+A mutant counts as killed when its tests fail (or run past ``--timeout``). Its tests are those
+of its step: every test whose ``step`` (or ``step_name``) parameter is that step, in every file
+of ``tests/`` (the component files and the step-fix files ``tests/test_step14_*.py`` alike).
+``tests/test_structure.py`` is left out, since it flags any edit to a step's files whatever the
+edit does. A mutant of ``common/`` is shared by every step, so one step's tests stand for all
+(step14's), unless the mutant names test files of its own (``tests=``: the demo's checks live
+in tests that run no step). ``--list`` reports a mutant whose text no longer occurs in its file
+as stale: after a change to the code, bring its ``old`` text up to date.
 """
 
 # ruff: noqa: E501  (the mutant table keeps each mutant on a few aligned lines)
@@ -38,12 +43,18 @@ IGNORED = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", "
 @dataclass(frozen=True)
 class Mutant:
     id: str
-    step: str
-    file: str
+    step: str  # the step whose tests must catch it (for common/, one step stands for all)
+    file: str  # in the step's folder; or, starting with "common/", in the repository
     old: str  # must occur exactly once in the file
     new: str
     what: str
     more: tuple[tuple[str, str], ...] = ()  # further (old, new) edits of the same file
+    tests: tuple[str, ...] = ()  # test files to run whole instead of the step's tests
+
+    @property
+    def path(self) -> str:
+        """The mutated file, relative to the repository."""
+        return self.file if self.file.startswith("common/") else f"{self.step}/{self.file}"
 
 
 M = Mutant
@@ -56,20 +67,21 @@ MUTANTS = [
     M("s14-sched-keep-finished", "step14", "scheduler.py",
       "        self.running = [s for s in self.running if s.status is not SequenceStatus.FINISHED]\n",
       "", "finished sequences keep their place in the running set"),
-    M("s14-sched-max-new", "step14", "scheduler.py",
-      "len(self.generated_ids) >= self.max_new_tokens", "len(self.generated_ids) > self.max_new_tokens",
-      "one token more than max_new_tokens"),
-    M("s14-sched-no-eos", "step14", "scheduler.py",
-      " or token_id == self.eos_token_id", "", "eos ignored"),
-    M("s14-sched-prefill-done", "step14", "scheduler.py",
-      "self.prefill_offset >= self.prompt_len", "self.prefill_offset > self.prompt_len",
-      "prefill done one token late"),
     M("s14-sched-has-work", "step14", "scheduler.py",
       "return bool(self.waiting) or any(", "return bool(self.waiting) and any(",
       "has_work false while requests run"),
     M("s14-sched-lifo", "step14", "scheduler.py",
       "seq = self.waiting.popleft()", "seq = self.waiting.pop()",
       "the newest waiting request is admitted first"),
+    # ---- step14/sequence.py ---------------------------------------------------------------------
+    M("s14-seq-max-new", "step14", "sequence.py",
+      "len(self.generated_ids) >= self.max_new_tokens", "len(self.generated_ids) > self.max_new_tokens",
+      "one token more than max_new_tokens"),
+    M("s14-seq-no-eos", "step14", "sequence.py",
+      " or token_id in self.eos_token_ids", "", "eos ignored"),
+    M("s14-seq-prefill-done", "step14", "sequence.py",
+      "self.prefill_offset >= self.prompt_len", "self.prefill_offset > self.prompt_len",
+      "prefill done one token late"),
     # ---- step14/block_manager.py ----------------------------------------------------------------
     M("s14-bm-allocate-bound", "step14", "block_manager.py",
       "if n > len(self._free_ids):", "if n >= len(self._free_ids):",
@@ -125,71 +137,77 @@ MUTANTS = [
     M("s14-pc-evict-newest", "step14", "prefix_cache.py",
       "for b, e in self._lru.items()", "for b, e in reversed(self._lru.items())",
       "most recently used evicted first"),
-    # ---- step14/engine.py -----------------------------------------------------------------------
-    M("s14-eng-touch-head-first", "step14", "engine.py",
+    # ---- step14/kv_cache_manager.py --------------------------------------------------------------
+    M("s14-kvm-touch-head-first", "step14", "kv_cache_manager.py",
       "self.prefix_cache.touch(seq.block_table[::-1])", "self.prefix_cache.touch(seq.block_table)",
       "a finished request's blocks touched head first"),
-    M("s14-eng-no-touch", "step14", "engine.py",
+    M("s14-kvm-no-touch", "step14", "kv_cache_manager.py",
       "            self.prefix_cache.touch(seq.block_table[::-1])  # tail first: evicted first\n",
       "            pass\n", "finished requests' blocks are not marked recently used"),
-    M("s14-eng-adopt-at-admission-only", "step14", "engine.py",
-      "hits = self._lookup_prefix_cache(seq)",
-      "hits = self._lookup_prefix_cache(seq) if seq.prefill_offset == 0 else []",
-      "the cache is looked up only before the first chunk (no leapfrogging)"),
-    M("s14-eng-lookup-no-parent", "step14", "engine.py",
+    M("s14-kvm-lookup-no-parent", "step14", "kv_cache_manager.py",
       "parent_id = seq.block_table[-1] if seq.block_table else None", "parent_id = None",
       "a later lookup does not continue the block table's chain"),
+    M("s14-kvm-lookup-last", "step14", "kv_cache_manager.py",
+      "last = (seq.prompt_len - 1) // self.block_size", "last = seq.prompt_len // self.block_size",
+      "a full-prompt hit takes the block of the last prompt token"),
+    M("s14-kvm-adopt-reservation", "step14", "kv_cache_manager.py",
+      "        self.reserved -= len(computed_blocks)  # reserved for blocks that need no allocation\n",
+      "", "adopted blocks stay reserved"),
+    M("s14-kvm-free-reservation", "step14", "kv_cache_manager.py",
+      "self.reserved -= need - len(seq.block_table)", "self.reserved -= 0",
+      "an early eos keeps its unused reservation"),
+    M("s14-kvm-admit-bound", "step14", "kv_cache_manager.py",
+      "if need > self.num_available_blocks - self.reserved:",
+      "if need >= self.num_available_blocks - self.reserved:",
+      "a request that exactly fits waits"),
+    M("s14-kvm-no-reserve", "step14", "kv_cache_manager.py",
+      "        self.reserved += need\n", "", "admission reserves nothing"),
+    M("s14-kvm-evict-extra", "step14", "kv_cache_manager.py",
+      "shortfall = n - self.block_manager.num_free", "shortfall = n - self.block_manager.num_free + 1",
+      "evicts one block more than the free pool lacks"),
+    M("s14-kvm-slots-reservation", "step14", "kv_cache_manager.py",
+      "            self.reserved -= missing\n", "", "allocated blocks stay reserved"),
+    M("s14-kvm-no-parent", "step14", "kv_cache_manager.py",
+      "parent_id = seq.block_table[block_idx - 1] if block_idx else None", "parent_id = None",
+      "blocks cached without their parent"),
+    M("s14-kvm-partial-block", "step14", "kv_cache_manager.py",
+      "if self.prefix_cache is None or num_tokens % self.block_size:",
+      "if self.prefix_cache is None:", "a partial block is offered to the cache"),
+    M("s14-kvm-hits-leak", "step14", "kv_cache_manager.py",
+      "            self.block_manager._blocks[block_id].ref_count -= 1\n", "            pass\n",
+      "adopted blocks keep the finished request's reference"),
+    M("s14-kvm-no-retain", "step14", "kv_cache_manager.py",
+      "            self.block_manager.retain(block_id)\n", "            pass\n",
+      "an adopted block gets no reference of its adopter"),
+    # ---- step14/engine.py -----------------------------------------------------------------------
+    M("s14-eng-adopt-at-admission-only", "step14", "engine.py",
+      "hits = self.kv_cache_manager.get_computed_blocks(seq)",
+      "hits = self.kv_cache_manager.get_computed_blocks(seq) if seq.prefill_offset == 0 else []",
+      "the cache is looked up only before the first chunk (no leapfrogging)"),
     M("s14-eng-eos-first-token", "step14", "engine.py",
       "            seq.status = SequenceStatus.RUNNING\n            seq.append_token(int(logits[-1].argmax()))\n",
       "            seq.append_token(int(logits[-1].argmax()))\n            seq.status = SequenceStatus.RUNNING\n",
       "an eos as the first token is overwritten by RUNNING"),
-    M("s14-eng-lookup-last", "step14", "engine.py",
-      "last = (seq.prompt_len - 1) // self.block_size", "last = seq.prompt_len // self.block_size",
-      "a full-prompt hit takes the block of the last prompt token"),
     M("s14-eng-hit-counted-twice", "step14", "engine.py",
       "if hits and not seq.hit_block_ids:", "if hits:",
       "a request that adopts twice counts as two hits"),
-    M("s14-eng-adopt-reservation", "step14", "engine.py",
-      "        self._reserved -= len(hits)  # reserved for blocks that now need no allocation\n",
-      "", "adopted blocks stay reserved"),
-    M("s14-eng-free-reservation", "step14", "engine.py",
-      "self._reserved -= need - len(seq.block_table)", "self._reserved -= 0",
-      "an early eos keeps its unused reservation"),
-    M("s14-eng-admit-bound", "step14", "engine.py",
-      "if need > self._available_blocks():", "if need >= self._available_blocks():",
-      "a request that exactly fits waits"),
-    M("s14-eng-no-reserve", "step14", "engine.py",
-      "        self._reserved += need\n", "", "admission reserves nothing"),
-    M("s14-eng-need-plus-one", "step14", "engine.py",
-      "-(-(prompt_len + max_new_tokens - 1) // self.block_size)",
-      "-(-(prompt_len + max_new_tokens) // self.block_size)",
-      "the need counts a slot for the last generated token"),
-    M("s14-eng-need-minus-two", "step14", "engine.py",
-      "-(-(prompt_len + max_new_tokens - 1) // self.block_size)",
-      "-(-(prompt_len + max_new_tokens - 2) // self.block_size)",
-      "the need is one token short"),
-    M("s14-eng-evict-extra", "step14", "engine.py",
-      "shortfall = n - self.block_manager.num_free", "shortfall = n - self.block_manager.num_free + 1",
-      "evicts one block more than the free pool lacks"),
-    M("s14-eng-slots-reservation", "step14", "engine.py",
-      "            self._reserved -= missing\n", "", "allocated blocks stay reserved"),
-    M("s14-eng-no-parent", "step14", "engine.py",
-      "parent_id = seq.block_table[block_idx - 1] if block_idx else None", "parent_id = None",
-      "blocks cached without their parent"),
-    M("s14-eng-partial-block", "step14", "engine.py",
-      "if self.prefix_cache is None or num_tokens % self.block_size:",
-      "if self.prefix_cache is None:", "a partial block is offered to the cache"),
     M("s14-eng-no-output-blocks", "step14", "engine.py",
-      "        self._cache_full_block(seq, position + 1)  # output blocks are cached too\n", "",
+      "        self.kv_cache_manager.cache_blocks(seq, position + 1)  # output blocks are cached too\n", "",
       "output blocks are not cached"),
     M("s14-eng-output-block-late", "step14", "engine.py",
-      "self._cache_full_block(seq, position + 1)  # output blocks are cached too",
-      "self._cache_full_block(seq, position)  # output blocks are cached too",
+      "self.kv_cache_manager.cache_blocks(seq, position + 1)  # output blocks are cached too",
+      "self.kv_cache_manager.cache_blocks(seq, position)  # output blocks are cached too",
       "an output block is cached one token late"),
     M("s14-eng-start-after-adopt", "step14", "engine.py",
-      "        if seq.prefill_offset == 0:\n            self._start_sequence(seq)\n        self._adopt_cached_blocks(seq)\n",
-      "        self._adopt_cached_blocks(seq)\n        if seq.prefill_offset == 0:\n            self._start_sequence(seq)\n",
-      "a request that hits at once is never counted"),
+      "        if seq.prefill_offset == 0:  # the request counts from its first prefill step\n"
+      "            self._counters.requests += 1\n"
+      "            self._counters.prompt_tokens += seq.prompt_len\n", "",
+      "a request that hits at once is never counted",
+      more=(("        seq.prefill_offset = start\n",
+             "        seq.prefill_offset = start\n"
+             "        if seq.prefill_offset == 0:\n"
+             "            self._counters.requests += 1\n"
+             "            self._counters.prompt_tokens += seq.prompt_len\n"),)),
     M("s14-eng-blocks-used", "step14", "engine.py",
       "blocks_used=bm.total_blocks - bm.num_free - cache_only,",
       "blocks_used=bm.total_blocks - bm.num_free - (len(cache) if cache is not None else 0),",
@@ -204,27 +222,21 @@ MUTANTS = [
       "hit rate counts tokens, not requests"),
     M("s14-eng-reset-cache", "step14", "engine.py",
       "        self._counters = EngineStats()\n\n    def ref_count_problems",
-      "        self._counters = EngineStats()\n        if self.prefix_cache is not None:\n"
-      "            self.prefix_cache.evict(self.prefix_cache.num_evictable)\n\n    def ref_count_problems",
+      "        self._counters = EngineStats()\n        cache = self.kv_cache_manager.prefix_cache\n"
+      "        if cache is not None:\n            cache.evict(cache.num_evictable)\n\n    def ref_count_problems",
       "reset_stats empties the cache"),
     M("s14-eng-pop-twice", "step14", "engine.py",
       "return self._outputs.pop(request_id)", "return self._outputs[request_id]",
       "an output can be taken twice"),
     M("s14-eng-serial-validate", "step14", "engine.py",
-      "        prompts = [self._validate(p, max_new_tokens, eos_token_id) for p in prompts]\n        return [",
-      "        return [", "generate_serial serves good prompts before a bad one"),
+      "        requests = self._check_all(prompts, max_new_tokens, eos_token_id)\n"
+      "        return [self._run([self._queue(r)])[0] for r in requests]\n",
+      "        return [self.generate([p], max_new_tokens, eos_token_id)[0] for p in prompts]\n",
+      "generate_serial serves good prompts before a bad one"),
     M("s14-eng-generate-revalidate", "step14", "engine.py",
-      "        prompts = [self._validate(p, max_new_tokens, eos_token_id) for p in prompts]\n        ids =",
-      "        for p in prompts:\n            self._validate(p, max_new_tokens, eos_token_id)\n        ids =",
+      "        return self._run([self._queue(r) for r in requests])\n",
+      "        return self._run([self.add_request(p, max_new_tokens, eos_token_id) for p in prompts])\n",
       "generate queues the prompts as given, so a one-shot iterator is read twice"),
-    M("s14-eng-validate-pool", "step14", "engine.py",
-      "if need > self.block_manager.total_blocks:", "if need >= self.block_manager.total_blocks:",
-      "a request that needs the whole pool is refused"),
-    M("s14-eng-hits-leak", "step14", "engine.py",
-      "            self.block_manager._blocks[block_id].ref_count -= 1\n", "            pass\n",
-      "adopted blocks keep the finished request's reference"),
-    M("s14-eng-eos-range", "step14", "engine.py",
-      "0 <= eos_token_id < vocab)", "0 < eos_token_id < vocab)", "eos id 0 refused"),
     M("s14-eng-first-logits", "step14", "engine.py",
       "RUNNING\n            seq.append_token(int(logits[-1].argmax()))",
       "RUNNING\n            seq.append_token(int(logits[0].argmax()))",
@@ -264,19 +276,23 @@ MUTANTS = [
     M("s14_4-no-mask-for-two", "step14_4", "model.py",
       "if num_queries == 1:", "if num_queries <= 2:", "no mask for a two-token chunk"),
     # ---- step14_5: the hash chain on Sequence ---------------------------------------------------
-    M("s14_5-unchained", "step14_5", "scheduler.py",
+    M("s14_5-unchained", "step14_5", "sequence.py",
       "parent = self.block_hashes[-1] if self.block_hashes else hashing.ROOT_HASH",
       "parent = hashing.ROOT_HASH", "block hashes not chained"),
-    M("s14_5-prompt-only", "step14_5", "scheduler.py",
+    M("s14_5-prompt-only", "step14_5", "sequence.py",
       "        token_ids = self.token_ids\n", "        token_ids = self.prompt_ids\n",
       "output blocks hashed from the prompt alone"),
-    M("s14_5-lookup-short", "step14_5", "engine.py",
+    M("s14_5-lookup-short", "step14_5", "kv_cache_manager.py",
       "seq.extend_block_hashes(last, self.block_size)",
       "seq.extend_block_hashes(last - 1, self.block_size)",
       "lookup hashes one block too few"),
-    M("s14_5-cache-last-hash", "step14_5", "engine.py",
+    M("s14_5-cache-last-hash", "step14_5", "kv_cache_manager.py",
       "block_hash = seq.block_hashes[block_idx]", "block_hash = seq.block_hashes[-1]",
       "a block cached under the newest hash computed"),
+    M("s14_5-rehash", "step14_5", "sequence.py",
+      "        while len(self.block_hashes) < num_blocks:\n",
+      "        self.block_hashes.clear()\n        while len(self.block_hashes) < num_blocks:\n",
+      "the chain is hashed again from its first block at every use"),
     # ---- step14_6: BlockManager.release ---------------------------------------------------------
     M("s14_6-release-free", "step14_6", "block_manager.py",
       "            raise ValueError(f\"cannot release block {block_id}: it is already free\")\n",
@@ -288,10 +304,16 @@ MUTANTS = [
     M("s14_6-free-no-precheck", "step14_6", "block_manager.py",
       "if self._block(block_id).ref_count < n:", "if self._block(block_id).ref_count < 0:",
       "free() half-applies a bad call"),
-    M("s14_6-double-release", "step14_6", "engine.py",
-      "self.block_manager.free([b for b in seq.block_table if b not in hits])",
-      "self.block_manager.free(seq.block_table)",
+    M("s14_6-double-release", "step14_6", "kv_cache_manager.py",
+      "        for block_id in seq.block_table:\n            self.block_manager.release(block_id)\n",
+      "        for block_id in seq.block_table + seq.hit_block_ids:\n            self.block_manager.release(block_id)\n",
       "adopted blocks released twice"),
+    M("s14_6-poke-internals", "step14_6", "kv_cache_manager.py",
+      "            self.block_manager.release(block_id)\n",
+      "            self.block_manager._blocks[block_id].ref_count -= 1\n"
+      "            if self.block_manager._blocks[block_id].ref_count == 0:\n"
+      "                self.block_manager._free_ids.append(block_id)\n",
+      "the engine goes back to poking BlockManager's internals (same effect, no release())"),
     # ---- step14_7: forward_batched and scheduling-time registration -----------------------------
     M("s14_7-last-rows", "step14_7", "model.py",
       "last_rows = torch.tensor(cu_seqlens[1:], device=self.device) - 1",
@@ -317,12 +339,12 @@ MUTANTS = [
       "q_grouped = q.view(batch, self.cfg.num_queries_per_kv, kv_heads, d_head).transpose(1, 2)",
       "decode rows group query heads round-robin"),
     M("s14_7-register-late", "step14_7", "engine.py",
-      "        self._cache_full_block(seq, start + len(chunk))\n        self._counters.computed_prefill_tokens",
+      "        self.kv_cache_manager.cache_blocks(seq, start + len(chunk))\n        self._counters.computed_prefill_tokens",
       "        self._counters.computed_prefill_tokens",
       "prompt blocks never registered"),
     M("s14_7-decode-register", "step14_7", "engine.py",
-      "self._cache_full_block(seq, position + 1)  # registered before it is written, as above",
-      "self._cache_full_block(seq, position)  # registered before it is written, as above",
+      "self.kv_cache_manager.cache_blocks(seq, position + 1)  # registered before it is written",
+      "self.kv_cache_manager.cache_blocks(seq, position)  # registered before it is written",
       "an output block registered one token late"),
     M("s14_7-offset-overshoot", "step14_7", "engine.py",
       "seq.prefill_offset = min(seq.prefill_offset + self.block_size, seq.prompt_len)",
@@ -340,15 +362,65 @@ MUTANTS = [
       "            seq.status = SequenceStatus.RUNNING\n            seq.append_token(int(last_logits.argmax()))\n",
       "            seq.append_token(int(last_logits.argmax()))\n            seq.status = SequenceStatus.RUNNING\n",
       "an eos as the first token is overwritten by RUNNING"),
-    M("s14_7-touch-head-first", "step14_7", "engine.py",
+    M("s14_7-touch-head-first", "step14_7", "kv_cache_manager.py",
       "self.prefix_cache.touch(seq.block_table[::-1])", "self.prefix_cache.touch(seq.block_table)",
       "a finished request's blocks touched head first"),
+    # ---- common/inputs.py: the request checks of every step (step14's tests stand for all) ----
+    M("c-inputs-need-plus-one", "step14", "common/inputs.py",
+      "cdiv(prompt_len + max_new_tokens - 1, block_size)",
+      "cdiv(prompt_len + max_new_tokens, block_size)",
+      "the need counts a slot for the last generated token"),
+    M("c-inputs-need-minus-two", "step14", "common/inputs.py",
+      "cdiv(prompt_len + max_new_tokens - 1, block_size)",
+      "cdiv(prompt_len + max_new_tokens - 2, block_size)",
+      "the need is one token short"),
+    M("c-inputs-cdiv-floor", "step14", "common/inputs.py",
+      "return -(-a // b)", "return a // b", "cdiv rounds down"),
+    M("c-inputs-pool", "step14", "common/inputs.py",
+      "if need > cfg.total_blocks:", "if need >= cfg.total_blocks:",
+      "a request that needs the whole pool is refused"),
+    M("c-inputs-vocab-edge", "step14", "common/inputs.py",
+      "bad = [t for t in prompt if not 0 <= t < vocab]",
+      "bad = [t for t in prompt if not 0 <= t <= vocab]",
+      "token id vocab_size accepted"),
+    M("c-inputs-eos-range", "step14", "common/inputs.py",
+      "is_int(t) and 0 <= t < vocab_size for t in ids", "is_int(t) and 0 < t < vocab_size for t in ids",
+      "eos id 0 refused"),
+    M("c-inputs-bool", "step14", "common/inputs.py",
+      "return isinstance(x, numbers.Integral) and not isinstance(x, bool)",
+      "return isinstance(x, numbers.Integral)", "a bool passes for an integer"),
+    M("c-inputs-max-new", "step14", "common/inputs.py",
+      "if not is_int(max_new_tokens) or max_new_tokens < 1:",
+      "if not is_int(max_new_tokens) or max_new_tokens < 0:", "max_new_tokens=0 accepted"),
+    M("c-inputs-empty", "step14", "common/inputs.py",
+      "    if not prompt:\n        raise ValueError(", "    if prompt is None:\n        raise ValueError(",
+      "an empty prompt accepted"),
+    # ---- common/demo.py: the chapter's demo, for every step ------------------------------------
+    M("c-demo-pool-bound", "step14", "common/demo.py",
+      "if args.total_blocks < need:", "if args.total_blocks <= need:",
+      "a pool that exactly fits the demo is refused",
+      tests=("tests/test_cli.py", "tests/test_run_demo.py")),
+    M("c-demo-inexact-passes", "step14", "common/demo.py",
+      "    if ok or exact:\n", "    if ok:\n",
+      "a float32 token mismatch only warns",
+      tests=("tests/test_cli.py", "tests/test_run_demo.py")),
+    M("c-demo-decode-note", "step14", "common/demo.py",
+      "    if off.computed_decode_tokens:\n", "    if True:\n",
+      "the note on decode shows when nothing was decoded",
+      tests=("tests/test_cli.py", "tests/test_run_demo.py")),
+    M("c-demo-checks-pass", "step14", "common/demo.py",
+      "return 0 if all(ok for ok, _ in checks) else 1", "return 0",
+      "the demo exits 0 whatever its checks say",
+      tests=("tests/test_cli.py", "tests/test_run_demo.py")),
 ]
 # fmt: on
 
 
-def selected_tests(root: Path, step: str) -> list[str]:
-    """Node ids of the tests that run ``step`` (its ``step`` / ``step_name`` parameter)."""
+def selected_tests(root: Path, mutant: Mutant) -> list[str]:
+    """Node ids of the tests that must catch ``mutant``: the files it names, whole; otherwise
+    the tests that run its step (their ``step`` / ``step_name`` parameter)."""
+    if mutant.tests:
+        return list(mutant.tests)
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only"],
         cwd=root,
@@ -356,7 +428,7 @@ def selected_tests(root: Path, step: str) -> list[str]:
         text=True,
         check=True,
     ).stdout
-    mine = re.compile(rf"\[{re.escape(step)}[-\]]")
+    mine = re.compile(rf"\[{re.escape(mutant.step)}[-\]]")
     return [
         line
         for line in out.splitlines()
@@ -378,7 +450,7 @@ def baseline_failures(root: Path, tests: list[str], timeout: int) -> list[str]:
 
 def plant(root: Path, mutant: Mutant) -> str:
     """Apply ``mutant`` in ``root``; returns the original text of the file."""
-    path = root / mutant.step / mutant.file
+    path = root / mutant.path
     original = text = path.read_text()
     for old, new in ((mutant.old, mutant.new), *mutant.more):
         if text.count(old) != 1:
@@ -432,36 +504,40 @@ def main(argv: list[str] | None = None) -> int:
             with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
                 tar.extractall(root, filter="data")
         if args.list:
+            stale = 0
             for m in mutants:
                 try:
                     original = plant(root, m)
                 except LookupError as error:
-                    print(f"{m.id:28} stale: {error}")
+                    print(f"{m.id:32} stale: {error}")
+                    stale += 1
                     continue
-                (root / m.step / m.file).write_text(original)
-                print(f"{m.id:28} {m.step}/{m.file:16} {m.what}")
-            return 0
-        tests_of: dict[str, list[str]] = {}
+                (root / m.path).write_text(original)
+                print(f"{m.id:32} {m.path:30} {m.what}")
+            print(f"{len(mutants)} mutants, {stale} stale")
+            return 1 if stale else 0
+        tests_of: dict[tuple[str, tuple[str, ...]], list[str]] = {}
         killed = stale = 0
         for m in mutants:
-            if m.step not in tests_of:
-                tests_of[m.step] = selected_tests(root, m.step)
-                broken = baseline_failures(root, tests_of[m.step], args.timeout)
+            key = (m.step, m.tests)
+            if key not in tests_of:
+                tests_of[key] = selected_tests(root, m)
+                broken = baseline_failures(root, tests_of[key], args.timeout)
                 if broken:  # e.g. someone's work in progress: leave those tests out
                     print(f"{m.step}: left out, failing without any mutant: {broken}")
-                    tests_of[m.step] = [t for t in tests_of[m.step] if t not in broken]
+                    tests_of[key] = [t for t in tests_of[key] if t not in broken]
             try:
                 original = plant(root, m)
             except LookupError as error:  # the code changed under the mutant: say so, go on
-                print(f"{m.id:28} {'stale':17}        {error}", flush=True)
+                print(f"{m.id:32} {'stale':17}        {error}", flush=True)
                 stale += 1
                 continue
             try:
-                verdict, secs, first = run_tests(root, tests_of[m.step], args.timeout)
+                verdict, secs, first = run_tests(root, tests_of[key], args.timeout)
             finally:
-                (root / m.step / m.file).write_text(original)
+                (root / m.path).write_text(original)
             killed += verdict.startswith("killed")
-            print(f"{m.id:28} {verdict:17} {secs:5.0f}s  {first or m.what}", flush=True)
+            print(f"{m.id:32} {verdict:17} {secs:5.0f}s  {first or m.what}", flush=True)
         print(f"killed {killed} of {len(mutants) - stale}" + (f" ({stale} stale)" if stale else ""))
         return 0 if killed + stale == len(mutants) and not stale else 1
 

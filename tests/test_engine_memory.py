@@ -1,9 +1,13 @@
-"""Memory pressure: many requests through a pool far smaller than their total need.
+"""The engine's memory: admission, reservations, exact block figures, and a pool under pressure.
 
-The design promises that memory pressure never crashes the engine and never loses a request: a
-request waits until the blocks it can need over its whole life are free or evictable. These tests
-squeeze the pool down to the largest single request and check that every request still finishes
-with exactly the tokens of a roomy pool and of the dense reference, and that no block leaks.
+The specification: a request is admitted, first come first served, only when the blocks it can
+need over its whole life fit in what is free or evictable and not yet reserved; blocks are
+allocated lazily, when a chunk or a decode token first needs them, out of that reservation, and
+whatever a request did not use (an early eos, cache hits) comes back when it finishes.
+``EngineStats``' block figures are exact: free + cached + used-but-uncached = total, at every
+round. Memory pressure never crashes the engine and never loses a request: with a pool squeezed
+down to the largest single request, every request still finishes with exactly the tokens of a
+roomy pool and of the dense reference, the cache evicts what it must, and no block leaks.
 """
 
 from __future__ import annotations
@@ -13,12 +17,182 @@ from collections.abc import Callable
 
 import pytest
 
+from common.inputs import cdiv
 from common.workload import shared_prefix_prompts
-from tests.conftest import EngineFactory, blocks_needed, reference_tokens, tiny_config
+from tests.helpers import (
+    EngineFactory,
+    blocks_needed,
+    life_in_rounds,
+    log_schedules,
+    reference_tokens,
+    run_rounds,
+    tiny_config,
+    tokens,
+)
+
+CFG = tiny_config()
+BS = CFG.block_size
+VOCAB = CFG.vocab_size
+
+
+# ---- admission: the whole-life need, first come first served --------------------------------
+
+
+def test_engine_admission_is_exact_and_first_come_first_served(make_engine: EngineFactory) -> None:
+    """A request is admitted only when its whole-life need fits in what is not yet reserved.
+
+    Pool of 8, cache off: A needs 5 blocks (9 + 12 - 1 = 20 tokens), B exactly the 3 left
+    (5 + 5 - 1 = 9 tokens), so both start in round one; C (1 block) must wait, and so must D
+    behind it, until A or B is done, although their chunks would fit in the free blocks."""
+    cfg = tiny_config(total_blocks=8)
+    sizes = [(9, 12), (5, 5), (1, 1), (1, 1)]
+    assert [blocks_needed(n, m, BS) for n, m in sizes] == [5, 3, 1, 1]
+    engine = make_engine(cfg, enable_prefix_cache=False)
+    log = log_schedules(engine)
+    prompts = [tokens(200 + i, n) for i, (n, _) in enumerate(sizes)]
+    ids = [engine.add_request(p, m) for p, (_, m) in zip(prompts, sizes)]
+    engine.step()
+    # a request counts from its first prefill chunk: the two still queued do not, yet
+    assert (engine.stats.requests, engine.stats.prompt_tokens) == (2, 9 + 5)
+    run_rounds(engine)
+    assert log[0] == ([ids[0], ids[1]], [])
+    life_b = life_in_rounds(5, 5)  # B finishes first: 2 + 4 = 6 rounds
+    for round_ids in log[:life_b]:
+        assert set(round_ids[0] + round_ids[1]) == {ids[0], ids[1]}
+    assert ids[2] in log[life_b][0] and ids[3] in log[life_b][0]
+    for prompt, (_, m), rid in zip(prompts, sizes, ids):
+        assert engine.pop_output(rid) == reference_tokens(cfg, [prompt], m)[0]
+
+
+# ---- reservations: what admission promised comes back -------------------------------------
+
+
+POOL = 6
+POOL_CFG = tiny_config(total_blocks=POOL)
+
+
+def assert_whole_pool_request_starts_at_once(engine) -> None:
+    """A request that needs every block of the pool must be admitted in its first round and
+    run its exact life: nothing may stay reserved (or held) once the engine is idle."""
+    prompt = tokens(400, (POOL - 1) * BS + 1)
+    max_new = BS
+    assert blocks_needed(len(prompt), max_new, BS) == POOL
+    rid = engine.add_request(prompt, max_new)
+    assert run_rounds(engine) == life_in_rounds(len(prompt), max_new)
+    assert engine.pop_output(rid) == reference_tokens(POOL_CFG, [prompt], max_new)[0]
+
+
+def test_early_eos_returns_the_unused_reservation(make_engine: EngineFactory) -> None:
+    """A request admitted for the whole pool that stops at its first token (eos) gives every
+    reserved block back: the next whole-pool request starts at once."""
+    engine = make_engine(POOL_CFG)
+    prompt = tokens(401, 3)
+    max_new = POOL * BS - len(prompt) + 1
+    assert blocks_needed(len(prompt), max_new, BS) == POOL
+    eos = reference_tokens(POOL_CFG, [prompt], 1)[0][0]
+    assert engine.generate([prompt], max_new, eos_token_id=eos) == [[eos]]
+    assert_whole_pool_request_starts_at_once(engine)
+
+
+@pytest.mark.parametrize("enable_prefix_cache", [True, False], ids=["cache", "nocache"])
+def test_reservation_comes_back_after_hits_and_lazy_allocation(
+    make_engine: EngineFactory, enable_prefix_cache: bool
+) -> None:
+    """Adopted blocks and allocated blocks both draw on the admission reservation; once their
+    requests are done nothing stays reserved, so a whole-pool request still starts at once
+    (evicting what the cache kept)."""
+    engine = make_engine(POOL_CFG, enable_prefix_cache=enable_prefix_cache)
+    shared = tokens(402, 2 * BS)
+    prompts = [[*shared, 1], [*shared, 2, 3], [*shared, 4]]
+    assert engine.generate_serial(prompts, 2) == reference_tokens(POOL_CFG, prompts, 2)
+    assert engine.generate(prompts, 2) == reference_tokens(POOL_CFG, prompts, 2)
+    if enable_prefix_cache:
+        assert engine.stats.cached_tokens > 0
+    assert_whole_pool_request_starts_at_once(engine)
+
+
+def test_allocation_is_lazy_and_never_beyond_the_reservation(make_engine: EngineFactory) -> None:
+    """One request alone, cache off: after each round it holds exactly the blocks its KV
+    needs so far (ceil(tokens with KV / block_size)), never more than admission reserved."""
+    engine = make_engine(enable_prefix_cache=False)
+    total = CFG.total_blocks
+    prompt, max_new = tokens(410, 3 * BS + 1), BS + 2
+    need = blocks_needed(len(prompt), max_new, BS)
+    rid = engine.add_request(prompt, max_new)
+    held = []
+    while engine.has_work:
+        engine.step()
+        held.append(engine.stats.blocks_used)
+        assert engine.stats.blocks_free == total - held[-1]
+    kv_tokens = [min((r + 1) * BS, len(prompt)) for r in range(cdiv(len(prompt), BS))]
+    kv_tokens += [len(prompt) + d for d in range(1, max_new)]
+    expected = [cdiv(n, BS) for n in kv_tokens]
+    expected[-1] = 0  # the last round finishes the request: everything is back
+    assert held == expected
+    assert max(held) == need
+    assert len(engine.pop_output(rid)) == max_new
+
+
+# ---- EngineStats: exact block figures ---------------------------------------------------------
+
+
+def test_blocks_used_counts_cached_blocks_that_requests_hold(make_engine: EngineFactory) -> None:
+    """blocks_used is every block a running request holds, each once, cached or not.
+
+    P leaves two cached blocks. Then Q and R, both behind P's two blocks, start together: each
+    adopts the two shared blocks and allocates one of its own, so 2 + 1 + 1 blocks are in use,
+    2 of them cached, and everything else is free."""
+    engine = make_engine()
+    total = CFG.total_blocks
+    shared = tokens(500, 2 * BS)
+    engine.generate([[*shared, 1]], 1)  # KV for 2 * BS + 1 tokens: 2 full blocks, cached
+    assert (engine.stats.blocks_cached, engine.stats.blocks_used) == (2, 0)
+    assert engine.stats.blocks_free == total - 2
+    engine.reset_stats()
+    q, r = [*shared, 2, 3], [*shared, 4, 5]
+    ids = [engine.add_request(p, 4) for p in (q, r)]
+    expected = [
+        (4, 2),  # each adopts the 2 shared blocks and prefills its 2-token tail into its own
+        (4, 2),  # decode at position 2 * BS + 2: the own block has 3 of its 4 slots
+        (4, 4),  # decode at 2 * BS + 3: each own block is full and cached, still held
+    ]
+    for used, cached in expected:
+        engine.step()
+        stats = engine.stats
+        assert (stats.blocks_used, stats.blocks_cached, stats.blocks_free) == (
+            used,
+            cached,
+            total - used,
+        )
+    assert (engine.stats.requests_hit, engine.stats.cached_tokens) == (2, 4 * BS)
+    run_rounds(engine)  # a fourth block each, partial, freed when they finish
+    stats = engine.stats
+    assert (stats.blocks_used, stats.blocks_cached, stats.blocks_free) == (0, 4, total - 4)
+    assert [len(engine.pop_output(i)) for i in ids] == [4, 4]
+
+
+def test_block_figures_at_rest_after_one_request(make_engine: EngineFactory) -> None:
+    """After one request the cache holds every full block of its KV (prompt and output), the
+    partial last block is free again, and free + cached = total."""
+    for prompt_len, max_new in ((1, 1), (BS, 1), (BS, 2), (2 * BS + 3, 7)):
+        engine = make_engine()
+        engine.generate([tokens(510, prompt_len)], max_new)
+        cached = (prompt_len + max_new - 1) // BS
+        stats = engine.stats
+        assert (stats.blocks_cached, stats.blocks_free, stats.blocks_used) == (
+            cached,
+            CFG.total_blocks - cached,
+            0,
+        )
+
+
+# ---- memory pressure: many requests through a pool far smaller than their total need ---------
+#
+# Squeeze the pool down to the largest single request: every request still finishes with
+# exactly the tokens of a roomy pool and of the dense reference, and no block leaks.
 
 BLOCK_SIZE = 4
 MAX_NEW = 4
-VOCAB = tiny_config().vocab_size
 
 Runner = Callable[[object, list[list[int]]], list[list[int]]]
 

@@ -1,0 +1,203 @@
+"""Plain helpers shared by the test files (the fixtures are in ``conftest.py``).
+
+- the steps: ``STEP_NAMES``, and ``has_fix`` / ``requires_fix``, the one way a test depends on
+  which step it runs (steps are cumulative: a step holds its own fix and every earlier one);
+- the test model and the oracle: ``tiny_config``, ``reference_tokens``, ``reference_model``;
+- requests: ``tokens``, ``blocks_needed``, ``life_in_rounds``, ``truncate_at``;
+- driving an engine: ``run_rounds``, ``log_schedules``, ``guard_against_hangs``,
+  ``assert_engine_matches_reference``;
+- a step's files as they are on disk: ``step_files``, ``function_tree``, ``python_loops``.
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from common.config import ModelConfig, preset
+from common.inputs import cdiv
+from common.reference import ReferenceModel, reference_generate
+from common.steps import FIXES, STEPS, available_steps
+
+ROOT = Path(__file__).resolve().parent.parent
+STEP_NAMES = available_steps()
+
+
+# ---- which step: one way to gate a test -------------------------------------------------------
+
+
+def has_fix(step: ModuleType | str, fix_step: str) -> bool:
+    """Does ``step`` (a step package or its name) hold ``fix_step``'s fix? Steps are
+    cumulative, so every step from ``fix_step`` on does, and every step before it still has
+    the inefficiency that ``fix_step`` removes."""
+    name = step if isinstance(step, str) else step.__name__
+    return STEPS.index(name) >= STEPS.index(fix_step)
+
+
+def requires_fix(step: ModuleType | str, fix_step: str) -> None:
+    """Skip the calling test in the steps before ``fix_step``: what it checks arrives there."""
+    if not has_fix(step, fix_step):
+        pytest.skip(f"{fix_step} brings it ({FIXES[fix_step][1]})")
+
+
+# ---- the test model and the oracle ------------------------------------------------------------
+
+
+def tiny_config(**changes: object) -> ModelConfig:
+    """The test model, in float64 unless told otherwise: there parity must be exact."""
+    changes.setdefault("dtype", torch.float64)
+    return preset("tiny", **changes)
+
+
+TINY = tiny_config()
+
+
+@cache
+def reference_model(cfg: ModelConfig) -> ReferenceModel:
+    return ReferenceModel(cfg)
+
+
+def reference_tokens(
+    cfg: ModelConfig, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None = None
+) -> list[list[int]]:
+    """The oracle's greedy tokens (the reference ignores block_size / total_blocks)."""
+    oracle_cfg = cfg.replace(block_size=1, total_blocks=1)
+    return reference_generate(reference_model(oracle_cfg), prompts, max_new_tokens, eos_token_id)
+
+
+# ---- requests ---------------------------------------------------------------------------------
+
+
+def tokens(seed: int, n: int, low: int = 0) -> list[int]:
+    """``n`` random token ids in ``[low, vocab)`` of the test model; distinct seeds give
+    unrelated prompts."""
+    rng = random.Random(seed)
+    return [rng.randrange(low, TINY.vocab_size) for _ in range(n)]
+
+
+def blocks_needed(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
+    """A request's whole-life need, as the engine admits it: every token whose KV is written
+    (the last generated token is never fed back)."""
+    return cdiv(prompt_len + max_new_tokens - 1, block_size)
+
+
+def life_in_rounds(
+    prompt_len: int, max_new: int, cached_blocks: int = 0, block_size: int = TINY.block_size
+) -> int:
+    """Rounds a request runs once admitted: one per prefill chunk (the cached blocks need
+    none), then one per decode token (the first comes out of the last prefill chunk)."""
+    return cdiv(prompt_len - cached_blocks * block_size, block_size) + max_new - 1
+
+
+def truncate_at(output: list[int], eos: int) -> list[int]:
+    """A free run's output as a request stopping at ``eos`` gives it (eos included)."""
+    return output[: output.index(eos) + 1] if eos in output else output
+
+
+# ---- driving an engine ------------------------------------------------------------------------
+
+EngineFactory = Callable[..., object]
+
+# More rounds than any test's workload needs, by far: an engine past it is stuck (a request that
+# is never admitted or never finishes), and the test fails instead of hanging.
+MAX_ROUNDS_PER_ENGINE = 5000
+
+
+def guard_against_hangs(engine: object, max_rounds: int = MAX_ROUNDS_PER_ENGINE) -> None:
+    """Make ``engine.step`` (and so ``generate``) fail once the engine has run ``max_rounds``."""
+    real_step, rounds = engine.step, [0]
+
+    def step() -> None:
+        rounds[0] += 1
+        if rounds[0] > max_rounds:
+            raise AssertionError(
+                f"the engine ran {max_rounds} rounds and still has work: a request is stuck "
+                f"(never admitted, or never finishing)"
+            )
+        real_step()
+
+    engine.step = step
+
+
+def run_rounds(engine, limit: int = 1000) -> int:
+    """Step until the engine is idle; returns the number of rounds."""
+    rounds = 0
+    while engine.has_work:
+        assert rounds < limit, "the engine does not finish"
+        engine.step()
+        rounds += 1
+    return rounds
+
+
+def log_schedules(engine) -> list[tuple[list[int], list[int]]]:
+    """Wrap the engine's scheduler: each round logs the ids it scheduled, (prefill, decode)."""
+    log: list[tuple[list[int], list[int]]] = []
+    real = engine.scheduler.schedule
+
+    def schedule(*args, **kwargs):
+        prefill, decode = real(*args, **kwargs)
+        log.append(([s.seq_id for s in prefill], [s.seq_id for s in decode]))
+        return prefill, decode
+
+    engine.scheduler.schedule = schedule
+    return log
+
+
+def assert_engine_matches_reference(
+    engine, prompts: list[list[int]], max_new_tokens: int, serial: bool = False
+) -> list[list[int]]:
+    """Generate with ``engine`` (batched or serial) and compare with the dense reference."""
+    run = engine.generate_serial if serial else engine.generate
+    outputs = run(prompts, max_new_tokens)
+    assert outputs == reference_tokens(engine.model.cfg, prompts, max_new_tokens)
+    return outputs
+
+
+# ---- a BlockManager's observable state --------------------------------------------------------
+
+
+def block_manager_snapshot(bm: object) -> tuple[int, list[int]]:
+    """Everything observable about a pool: how many blocks are free and every ref count."""
+    return bm.num_free, [bm.ref_count(b) for b in range(bm.total_blocks)]
+
+
+def assert_raises_unchanged(bm: object, error: type[Exception], call: Callable[[], object]) -> None:
+    """A misuse must raise ``error`` and leave the pool untouched (no partial effect)."""
+    before = block_manager_snapshot(bm)
+    with pytest.raises(error):
+        call()
+    assert block_manager_snapshot(bm) == before
+
+
+# ---- a step's files, as they are on disk ------------------------------------------------------
+
+
+def step_files(step_name: str) -> dict[str, bytes]:
+    folder = ROOT / step_name
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in folder.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+
+
+def function_tree(step_name: str, file: str, qualname: str) -> ast.FunctionDef:
+    """The syntax tree of ``Class.method`` (or a module-level function) in a step's file."""
+    tree = ast.parse((ROOT / step_name / file).read_text())
+    *owners, name = qualname.split(".")
+    for owner in owners:
+        tree = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == owner)
+    return next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def python_loops(function: ast.FunctionDef) -> list[str]:
+    """The Python-level loops of a function: ``for``, ``while`` and comprehensions."""
+    kinds = (ast.For, ast.While, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+    return [ast.unparse(n).split("\n")[0] for n in ast.walk(function) if isinstance(n, kinds)]
