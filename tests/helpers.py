@@ -83,8 +83,9 @@ def tokens(seed: int, n: int, low: int = 0) -> list[int]:
 
 
 def blocks_needed(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
-    """A request's whole-life need, as the engine admits it: every token whose KV is written
-    (the last generated token is never fed back)."""
+    """A request's whole-life need: every token whose KV is written (the last generated token
+    is never fed back). What the engine refuses beyond the pool's size, and what worst-case
+    reservation would hold back for it at admission."""
     return cdiv(prompt_len + max_new_tokens - 1, block_size)
 
 
@@ -136,17 +137,21 @@ def run_rounds(engine, limit: int = 1000) -> int:
     return rounds
 
 
-def log_schedules(engine) -> list[tuple[list[int], list[int]]]:
-    """Wrap the engine's scheduler: each round logs the ids it scheduled, (prefill, decode)."""
-    log: list[tuple[list[int], list[int]]] = []
-    real = engine.scheduler.schedule
+def log_schedules(engine) -> list[list[int]]:
+    """Wrap the engine's round: each round logs the ids of the sequences it ran, in the order
+    it ran them (running ones oldest first, then the newly admitted). It wraps the private
+    ``_schedule`` generator, the one place every step's round draws its work from."""
+    log: list[list[int]] = []
+    real = engine._schedule
 
-    def schedule(*args, **kwargs):
-        prefill, decode = real(*args, **kwargs)
-        log.append(([s.seq_id for s in prefill], [s.seq_id for s in decode]))
-        return prefill, decode
+    def schedule():
+        ran: list[int] = []
+        log.append(ran)
+        for work in real():
+            ran.append(work[0].seq_id)
+            yield work
 
-    engine.scheduler.schedule = schedule
+    engine._schedule = schedule
     return log
 
 

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from tests.conftest import EngineFactory, reference_tokens, tiny_config
+from tests.helpers import EngineFactory, reference_tokens, tiny_config
 
 BS = 4
 CFG = tiny_config(block_size=BS, total_blocks=64)

@@ -88,7 +88,7 @@ def test_generate_serial_runs_one_request_at_a_time(make_engine: EngineFactory) 
     prompts = [prompt, tokens(551, 5), prompt]
     outputs = engine.generate_serial(prompts, 3)
     assert outputs == reference_tokens(CFG, prompts, 3)
-    assert all(len(prefill) + len(decode) == 1 for prefill, decode in log)
+    assert all(len(ran) == 1 for ran in log)
     lives = [life_in_rounds(len(p), 3) for p in prompts]
     lives[2] = life_in_rounds(len(prompt), 3, cached_blocks=2)
     assert len(log) == sum(lives)

@@ -1,13 +1,16 @@
-"""The engine's memory: admission, reservations, exact block figures, and a pool under pressure.
+"""The engine's memory: admission by the first chunk, allocation on demand, preemption by
+recompute, exact block figures, and a pool under pressure.
 
-The specification: a request is admitted, first come first served, only when the blocks it can
-need over its whole life fit in what is free or evictable and not yet reserved; blocks are
-allocated lazily, when a chunk or a decode token first needs them, out of that reservation, and
-whatever a request did not use (an early eos, cache hits) comes back when it finishes.
-``EngineStats``' block figures are exact: free + cached + used-but-uncached = total, at every
-round. Memory pressure never crashes the engine and never loses a request: with a pool squeezed
-down to the largest single request, every request still finishes with exactly the tokens of a
-roomy pool and of the dense reference, the cache evicts what it must, and no block leaks.
+The specification: a waiting request is admitted, first come first served and up to
+max_running, once the blocks its first chunk needs (after adopting what the cache holds) fit in
+what is free or evictable; every later block is allocated when a chunk or a decode token first
+needs it. A running request that finds no block preempts the most recently admitted one (maybe
+itself), which gives every block back, keeps its tokens, goes back to the front of the queue
+and later prefills prompt + output again: the same tokens, every request finishing, no block
+lost, the same figures in every step. ``EngineStats``' block figures are exact: free + cached +
+used-but-uncached = total, at every round. With a pool squeezed down to the largest single
+request, every request still finishes with exactly the tokens of a roomy pool and of the dense
+reference, and the cache evicts what it must.
 """
 
 from __future__ import annotations
@@ -35,15 +38,16 @@ BS = CFG.block_size
 VOCAB = CFG.vocab_size
 
 
-# ---- admission: the whole-life need, first come first served --------------------------------
+# ---- admission: the first chunk, first come first served ------------------------------------
 
 
-def test_engine_admission_is_exact_and_first_come_first_served(make_engine: EngineFactory) -> None:
-    """A request is admitted only when its whole-life need fits in what is not yet reserved.
+def test_engine_admission_needs_only_the_first_chunk(make_engine: EngineFactory) -> None:
+    """A request is admitted when its first chunk fits, not its whole life.
 
-    Pool of 8, cache off: A needs 5 blocks (9 + 12 - 1 = 20 tokens), B exactly the 3 left
-    (5 + 5 - 1 = 9 tokens), so both start in round one; C (1 block) must wait, and so must D
-    behind it, until A or B is done, although their chunks would fit in the free blocks."""
+    Pool of 8, cache off: A can need 5 blocks (9 + 12 - 1 = 20 tokens), B 3 (5 + 5 - 1 = 9
+    tokens), C and D one each: 10 in all, so reserving each one's worst case would leave C and D
+    waiting behind A and B. Each first chunk needs one block, so all four start in round one,
+    in arrival order; C and D finish in it, and A and B then fit exactly."""
     cfg = tiny_config(total_blocks=8)
     sizes = [(9, 12), (5, 5), (1, 1), (1, 1)]
     assert [blocks_needed(n, m, BS) for n, m in sizes] == [5, 3, 1, 1]
@@ -52,19 +56,42 @@ def test_engine_admission_is_exact_and_first_come_first_served(make_engine: Engi
     prompts = [tokens(200 + i, n) for i, (n, _) in enumerate(sizes)]
     ids = [engine.add_request(p, m) for p, (_, m) in zip(prompts, sizes)]
     engine.step()
-    # a request counts from its first prefill chunk: the two still queued do not, yet
-    assert (engine.stats.requests, engine.stats.prompt_tokens) == (2, 9 + 5)
+    assert (engine.stats.requests, engine.stats.prompt_tokens) == (4, 9 + 5 + 1 + 1)
     run_rounds(engine)
-    assert log[0] == ([ids[0], ids[1]], [])
-    life_b = life_in_rounds(5, 5)  # B finishes first: 2 + 4 = 6 rounds
-    for round_ids in log[:life_b]:
-        assert set(round_ids[0] + round_ids[1]) == {ids[0], ids[1]}
-    assert ids[2] in log[life_b][0] and ids[3] in log[life_b][0]
+    assert log[0] == ids
+    assert all(round_ids == ids[:2] for round_ids in log[1 : life_in_rounds(5, 5)])
+    assert engine.stats.preemptions == 0
     for prompt, (_, m), rid in zip(prompts, sizes, ids):
         assert engine.pop_output(rid) == reference_tokens(cfg, [prompt], m)[0]
 
 
-# ---- reservations: what admission promised comes back -------------------------------------
+def test_the_head_of_the_queue_is_not_overtaken(make_engine: EngineFactory) -> None:
+    """First come, first served: when the head's first chunk does not fit, nobody behind it is
+    admitted, even a request that would fit.
+
+    The head H would adopt two cached blocks that only the cache holds (adopting them makes them
+    unevictable) and needs a fresh one: three blocks out of the two available while R runs. S
+    behind it needs one; it waits anyway."""
+    cfg = tiny_config(total_blocks=5)
+    engine = make_engine(cfg, max_running=4)
+    cached_prompt = tokens(210, 2 * BS + 1)
+    engine.generate([cached_prompt], 1)  # leaves its two full blocks in the cache
+    rid_r = engine.add_request(tokens(211, 3 * BS - 1), 3)
+    run_until = 3  # R's three chunks: it holds three blocks, the free pool is empty
+    for _ in range(run_until):
+        engine.step()
+    assert (engine.stats.blocks_free, engine.stats.blocks_used) == (0, 3)  # 2 evictable
+    rid_h = engine.add_request([*cached_prompt[: 2 * BS], 5], 1)
+    rid_s = engine.add_request(tokens(212, 1), 1)
+    engine.step()
+    assert [s.seq_id for s in engine.scheduler.waiting] == [rid_h, rid_s]
+    assert [s.seq_id for s in engine.scheduler.running] == [rid_r]
+    run_rounds(engine)
+    for rid in (rid_r, rid_h, rid_s):
+        assert engine.pop_output(rid)
+
+
+# ---- allocation on demand: every block comes back ---------------------------------------------
 
 
 POOL = 6
@@ -72,8 +99,8 @@ POOL_CFG = tiny_config(total_blocks=POOL)
 
 
 def assert_whole_pool_request_starts_at_once(engine) -> None:
-    """A request that needs every block of the pool must be admitted in its first round and
-    run its exact life: nothing may stay reserved (or held) once the engine is idle."""
+    """A request that can need every block of the pool must be admitted in its first round and
+    run its exact life: nothing may stay held once the engine is idle."""
     prompt = tokens(400, (POOL - 1) * BS + 1)
     max_new = BS
     assert blocks_needed(len(prompt), max_new, BS) == POOL
@@ -82,9 +109,9 @@ def assert_whole_pool_request_starts_at_once(engine) -> None:
     assert engine.pop_output(rid) == reference_tokens(POOL_CFG, [prompt], max_new)[0]
 
 
-def test_early_eos_returns_the_unused_reservation(make_engine: EngineFactory) -> None:
-    """A request admitted for the whole pool that stops at its first token (eos) gives every
-    reserved block back: the next whole-pool request starts at once."""
+def test_early_eos_leaves_the_whole_pool_free(make_engine: EngineFactory) -> None:
+    """A request that may need the whole pool but stops at its first token (eos) held only
+    what it used, and gives it back: the next whole-pool request starts at once."""
     engine = make_engine(POOL_CFG)
     prompt = tokens(401, 3)
     max_new = POOL * BS - len(prompt) + 1
@@ -95,12 +122,11 @@ def test_early_eos_returns_the_unused_reservation(make_engine: EngineFactory) ->
 
 
 @pytest.mark.parametrize("enable_prefix_cache", [True, False], ids=["cache", "nocache"])
-def test_reservation_comes_back_after_hits_and_lazy_allocation(
+def test_every_block_comes_back_after_hits_and_lazy_allocation(
     make_engine: EngineFactory, enable_prefix_cache: bool
 ) -> None:
-    """Adopted blocks and allocated blocks both draw on the admission reservation; once their
-    requests are done nothing stays reserved, so a whole-pool request still starts at once
-    (evicting what the cache kept)."""
+    """Adopted blocks and allocated blocks alike go back when their requests are done, so a
+    whole-pool request still starts at once (evicting what the cache kept)."""
     engine = make_engine(POOL_CFG, enable_prefix_cache=enable_prefix_cache)
     shared = tokens(402, 2 * BS)
     prompts = [[*shared, 1], [*shared, 2, 3], [*shared, 4]]
@@ -111,9 +137,9 @@ def test_reservation_comes_back_after_hits_and_lazy_allocation(
     assert_whole_pool_request_starts_at_once(engine)
 
 
-def test_allocation_is_lazy_and_never_beyond_the_reservation(make_engine: EngineFactory) -> None:
+def test_allocation_is_lazy_and_never_beyond_the_need(make_engine: EngineFactory) -> None:
     """One request alone, cache off: after each round it holds exactly the blocks its KV
-    needs so far (ceil(tokens with KV / block_size)), never more than admission reserved."""
+    needs so far (ceil(tokens with KV / block_size)), never more than its whole life needs."""
     engine = make_engine(enable_prefix_cache=False)
     total = CFG.total_blocks
     prompt, max_new = tokens(410, 3 * BS + 1), BS + 2

@@ -18,7 +18,7 @@ import pytest
 
 from common.inputs import blocks_for_request
 from common.steps import load_step
-from tests.conftest import EngineFactory, guard_against_hangs, reference_tokens, tiny_config
+from tests.helpers import EngineFactory, guard_against_hangs, reference_tokens, tiny_config
 
 BS = 4
 VOCAB = tiny_config().vocab_size

@@ -103,8 +103,9 @@ def test_model_calls_per_round(make_engine: EngineFactory, step: ModuleType) -> 
     log = log_schedules(engine)
     prompts = [tokens(600 + i, n) for i, n in enumerate((9, 2, 5, 12))]
     assert engine.generate(prompts, 4) == reference_tokens(CFG, prompts, 4)
-    scheduled = sum(len(prefill) + len(decode) for prefill, decode in log)
+    scheduled = sum(len(ran) for ran in log)
     if has_fix(step, "step14_7"):
         assert calls == {"forward": 0, "forward_batched": len(log)}
     else:
         assert calls == {"forward": scheduled, "forward_batched": 0}
+    assert scheduled == engine.stats.seqs_scheduled and len(log) == engine.stats.rounds
