@@ -83,8 +83,8 @@ def parse_args(step_name: str, argv: list[str] | None) -> argparse.Namespace:
         type=non_negative_int,
         default=1,
         metavar="N",
-        help="torch CPU threads (0: torch's default); one suits the small demo model and "
-        "keeps its timings steady on a busy machine; a real --model wants 0",
+        help="torch CPU threads (0: torch's default, one per core); one keeps timings steady "
+        "on a busy machine; a real --model runs faster on more of an idle machine's cores",
     )
     add_model_args(p)
     args = p.parse_args(argv)
