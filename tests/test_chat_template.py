@@ -23,7 +23,7 @@ pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from common.chat import load_chat_template
 from common.config import Llama3RopeScaling, preset
@@ -59,8 +59,10 @@ SYSTEM = "You are a concise assistant. Answer in one sentence, and be kind to ev
 PROMPTS = ["The capital of France is", "Water boils at", "Is the moon bright tonight?"]
 
 
-def bpe_tokenizer() -> Tokenizer:
-    """A byte-level BPE tokenizer (as GPT-2, Llama 3 and SmolLM2 use), trained on CORPUS."""
+def bpe_tokenizer(add_bos: bool = True) -> Tokenizer:
+    """A byte-level BPE tokenizer (as GPT-2, Llama 3 and SmolLM2 use), trained on CORPUS.
+    With ``add_bos`` its post-processor puts ``<|endoftext|>`` first, as Llama 3's puts
+    ``<|begin_of_text|>``: a chat template that writes the BOS itself must not get two."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -71,6 +73,11 @@ def bpe_tokenizer() -> Tokenizer:
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS * 20, trainer)
+    if add_bos:
+        bos = (SPECIALS[0], tok.token_to_id(SPECIALS[0]))
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos[0]} $A", special_tokens=[bos]
+        )
     return tok
 
 
@@ -79,6 +86,7 @@ def save_chat_checkpoint(
     template: str | None = TEMPLATE,
     rope_scaling: Llama3RopeScaling = Llama3RopeScaling(4.0, 1.0, 4.0, 64),  # noqa: B008
     max_position_embeddings: int | None = None,
+    add_bos: bool = True,
 ) -> Path:
     """A Llama checkpoint whose tokenizer files carry ``template`` (as transformers saves
     them: ``chat_template.jinja``), with eos ``<|im_end|>``. The default ``rope_scaling``
@@ -86,7 +94,7 @@ def save_chat_checkpoint(
     ``Llama3RopeScaling(32.0, 1.0, 4.0, 8192)`` with ``max_position_embeddings=131072``."""
     from transformers import PreTrainedTokenizerFast
 
-    tok = bpe_tokenizer()
+    tok = bpe_tokenizer(add_bos)
     cfg = preset(
         "tiny",
         vocab_size=tok.get_vocab_size(),
@@ -160,6 +168,25 @@ def test_chat_ids_equal_transformers_apply_chat_template(
     assert ours == transformers_ids(folder, messages)
 
 
+# Tool-calling templates serialize with tojson: transformers' keeps non-ASCII text as it is
+# (Jinja's own would write \\u escapes and HTML-escape "<").
+TOJSON_TEMPLATE = """{% for message in messages %}
+<|im_start|>{{ message['role'] }}
+{{ message | tojson }}<|im_end|>
+{% endfor %}
+{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_tojson_as_transformers_writes_it(tmp_path: Path) -> None:
+    folder = save_chat_checkpoint(tmp_path / "tojson", template=TOJSON_TEMPLATE)
+    messages = [{"role": "user", "content": "Réponds: <b>café</b> & thé"}]
+    template = load_chat_template(folder)
+    assert "café" in template.render(messages)
+    ours = encode_chat(load_tokenizer(folder), template, [messages[0]["content"]])[0]
+    assert ours == transformers_ids(folder, messages)
+
+
 def test_template_sees_the_special_tokens_of_tokenizer_config(
     chat_checkpoints: dict[str, Path],
 ) -> None:
@@ -195,6 +222,8 @@ def test_the_chat_system_prompt_is_computed_once_for_all_requests(
     shared = common_prefix_len(result.prompt_ids)
     assert result.system_tokens >= 3 * block  # several blocks of system prompt
     assert shared >= result.system_tokens
+    shared_text = load_tokenizer(chat_checkpoints["jinja"]).decode(result.prompt_ids[0][:shared])
+    assert SYSTEM in shared_text, "the system prompt itself is in the shared part"
     s = result.stats
     assert s.requests_hit == len(PROMPTS)
     assert s.cached_tokens == (len(PROMPTS) - 1) * (shared // block) * block

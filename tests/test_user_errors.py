@@ -78,11 +78,11 @@ BROKEN: dict[str, Callable[[Path], None]] = {
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A sound checkpoint (byte-level BPE tokenizer that adds no BOS, chat template, GQA, tied
-    embeddings, llama3 RoPE) and one broken copy per entry of BROKEN."""
+    """A sound checkpoint (byte-level BPE tokenizer that adds no BOS, as GPT-2's, chat
+    template, GQA, tied embeddings, llama3 RoPE) and one broken copy per entry of BROKEN."""
     chat = pytest.importorskip("tests.test_chat_template")
     root = tmp_path_factory.mktemp("user-errors")
-    sound = chat.save_chat_checkpoint(root / "sound")
+    sound = chat.save_chat_checkpoint(root / "sound", add_bos=False)
     folders = {"sound": sound}
     for name, edit in BROKEN.items():
         folders[name] = variant(sound, root, name, edit)
