@@ -240,7 +240,8 @@ def measure(
     with (progress or Progress(enabled=False)).task(name) as task:
         task.live = live
         for i in range(repeats):
-            task.note = f"run {i + 1}/{repeats}" + "".join(f" {s:.2f}s" for s in seconds)
+            done = f" (done: {', '.join(f'{s:.2f}s' for s in seconds)})" if seconds else ""
+            task.note = f"run {i + 1}/{repeats}{done}"
             result = run()
             seconds.append(result.seconds)
     row = Row(name, fixes, seconds, result, new_tokens)
@@ -262,10 +263,11 @@ def computed_so_far(runner: StepRunner) -> Callable[[], str]:
 def main(argv: list[str] | None = None) -> int:
     """``python -m bench``: a problem with the checkpoint is one ``error:`` line, status 1."""
     args = parse_args(argv)
-    return report_user_errors(PROG, lambda: run(args))
+    return report_user_errors(PROG, lambda: run_bench(args))
 
 
-def run(args: argparse.Namespace) -> int:
+def run_bench(args: argparse.Namespace) -> int:
+    """Every row, the table, the notes, results.json; 0 when every row's tokens agree."""
     if args.threads:
         torch.set_num_threads(args.threads)
     progress = Progress(enabled=False if args.quiet else None)

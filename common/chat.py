@@ -28,6 +28,8 @@ from .errors import CheckpointError, MissingPackageError, UserError
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
+# Older jinja2 releases have sandbox escapes (transformers refuses them too).
+MIN_JINJA2 = (3, 1, 6)
 # The named special tokens a template may use, as transformers names them.
 SPECIAL_TOKEN_NAMES = (
     "bos_token",
@@ -148,6 +150,12 @@ def require_jinja2() -> Any:
             "the checkpoint has a chat template, and applying it needs the 'jinja2' package: "
             "pip install -e '.[real]' (or --no-chat-template for plain completions)"
         ) from None
+    version = tuple(int(part) for part in jinja2.__version__.split(".")[:3] if part.isdigit())
+    if version < MIN_JINJA2:
+        raise MissingPackageError(
+            f"jinja2 {jinja2.__version__} has known sandbox escapes, and a chat template comes "
+            "with the checkpoint: pip install -U 'jinja2>=3.1.6' (or --no-chat-template)"
+        )
     return jinja2
 
 

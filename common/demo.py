@@ -89,9 +89,11 @@ def parse_args(step_name: str, argv: list[str] | None) -> argparse.Namespace:
     add_model_args(p)
     args = p.parse_args(argv)
     if args.model is not None:
-        return args  # real text: the engine refuses a request the pool could never hold
+        return args  # real text: common/text.py checks each request before loading
     if args.system is not None or args.prompt:
         p.error("--system and --prompt need --model DIR (a checkpoint): the demo has its own")
+    if args.no_chat_template:
+        p.error("--no-chat-template needs --model DIR (a checkpoint with a chat template)")
     need = blocks_for_longest_request(args.block_size, args.max_new_tokens)
     if args.total_blocks < need:
         p.error(

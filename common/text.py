@@ -34,7 +34,7 @@ from .chat import ChatTemplate, load_chat_template, messages_for
 from .checkpoint import check_stored_shapes, checkpoint_config, checkpoint_dir, eos_token_ids
 from .config import ModelConfig
 from .errors import CheckpointError, MissingPackageError, RequestError, report_user_errors
-from .inputs import as_eos_ids, blocks_for_request, check_request
+from .inputs import as_eos_ids, blocks_for_request, check_request, is_int
 from .steps import load_step
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -132,8 +132,6 @@ class TextResult:
 class TextRequests:
     """Requests ready to serve, checked without reading a single weight."""
 
-    model_dir: Path
-    cfg: ModelConfig  # the config the model will have (the checkpoint's, plus the overrides)
     tokenizer: Any
     prompt_ids: list[list[int]]
     eos: list[int]
@@ -186,7 +184,7 @@ def prepare_requests(
     check_requests(prompts, prompt_ids, max_new_tokens, eos, cfg)
     check_stored_shapes(folder, cfg)  # the weight files' headers only: milliseconds
     source = template.source if template is not None else None
-    return TextRequests(folder, cfg, tokenizer, prompt_ids, eos, shared, source)
+    return TextRequests(tokenizer, prompt_ids, eos, shared, source)
 
 
 def chat_system_tokens(
@@ -210,12 +208,21 @@ def check_requests(
 ) -> None:
     """Every request must be servable by a model of ``cfg``, or a ``RequestError`` (a
     ``CheckpointError`` when the tokenizer and the model disagree) says which and why."""
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
         which = f"prompt {i + 1} ({_short(prompt)})"
         if not ids:
             raise RequestError(
                 f"{which} is empty once tokenized (this tokenizer adds no BOS token): "
                 "give it some text"
+            )
+        outside = [t for t in ids if not 0 <= t < cfg.vocab_size]
+        if outside:
+            raise CheckpointError(
+                f"{which}: the tokenizer gives ids {outside[:5]} that the model's vocabulary "
+                f"(vocab_size={cfg.vocab_size}) lacks: tokenizer.json does not belong to this "
+                "checkpoint"
             )
         need = blocks_for_request(len(ids), int(max_new_tokens), cfg.block_size)
         if need > cfg.total_blocks:
@@ -225,17 +232,7 @@ def check_requests(
                 f"{cfg.total_blocks}: raise --total-blocks (total_blocks=) to at least {need}, "
                 "or lower --max-new-tokens"
             )
-        outside = [t for t in ids if not 0 <= t < cfg.vocab_size]
-        if outside:
-            raise CheckpointError(
-                f"{which}: the tokenizer gives ids {outside[:5]} that the model's vocabulary "
-                f"(vocab_size={cfg.vocab_size}) lacks: tokenizer.json does not belong to this "
-                "checkpoint"
-            )
-        try:
-            check_request(ids, max_new_tokens, eos, cfg)
-        except ValueError as exc:
-            raise RequestError(f"{which}: {exc}") from None
+        check_request(ids, max_new_tokens, eos, cfg)  # whatever else the engine would refuse
 
 
 def _short(text: str, limit: int = 30) -> str:
