@@ -205,6 +205,8 @@ def apply_overrides(
     try:
         return cfg.replace(**overrides)
     except ValueError as exc:
+        if any(str(exc).startswith(f"{name}=") for name in overrides):
+            raise ValueError(str(exc)) from None  # it names the argument already
         named = [name for name in overrides if name in str(exc)] or list(overrides)
         given = ", ".join(f"{name}={overrides[name]!r}" for name in named)
         raise ValueError(f"{given}: {exc}") from None
