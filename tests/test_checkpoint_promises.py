@@ -35,7 +35,7 @@ from common.config import ModelConfig, preset
 from common.errors import CheckpointError
 from common.hf import hf_llama
 from common.text import generate_text
-from tests.test_checkpoint import CFG, word_tokenizer
+from tests.toy_checkpoint import CFG, word_tokenizer
 
 
 def save(folder: Path, cfg: ModelConfig, **config_changes: object) -> Path:

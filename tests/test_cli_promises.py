@@ -30,7 +30,7 @@ from bench.costs import TokenWork, matmul_gflops, model_flops
 from bench.harness import StepRunner
 from common.config import ModelConfig, preset
 from common.text import describe, plural, short_system_note
-from tests.conftest import STEP_NAMES
+from tests.helpers import STEP_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = importlib.import_module(f"{STEP_NAMES[-1]}.run")
@@ -286,7 +286,7 @@ def test_run_text_prints_one_token_and_the_short_system_note(tmp_path: Path, cap
     pytest.importorskip("tokenizers")
     pytest.importorskip("safetensors")
     from common.hf import hf_llama
-    from tests.test_checkpoint import CFG, word_tokenizer
+    from tests.toy_checkpoint import CFG, word_tokenizer
 
     hf_llama(CFG).save_pretrained(tmp_path)
     word_tokenizer().save(str(tmp_path / "tokenizer.json"))

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import reference_tokens, tiny_config
+from tests.helpers import reference_tokens, tiny_config
 
 CFG = tiny_config()
 SYSTEM = list(range(1, 13))  # three blocks of 4, shared
