@@ -12,7 +12,7 @@ from common.config import ModelConfig, preset
 from common.steps import load_step
 from common.workload import bench_prompts
 
-from .costs import counting, model_flops, paged_kv_bytes, wait_for
+from .costs import TokenWork, counting, model_flops, paged_kv_bytes, wait_for
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,7 @@ class StepRunner:
         self.model = self.step.TinyTransformerPaged(cfg)
         if weights is not None:
             self.model.load_weights(weights)
+        self.live: TokenWork | None = None  # the run in progress's count, for a status line
 
     def engine(
         self,
@@ -119,11 +120,13 @@ class StepRunner:
     def serve(self, engine, prompts: list[list[int]], workload: Workload) -> RunResult:
         """Time ``prompts`` through ``engine``: only this is measured."""
         with counting(self.model) as work:
+            self.live = work
             start = time.perf_counter()
             with torch.inference_mode():
                 outputs = engine.generate(prompts, workload.max_new_tokens)
             wait_for(self.model.cfg.device)
             seconds = time.perf_counter() - start
+        self.live = None
         work.sampled = sum(len(ids) for ids in outputs)
         s, cfg = engine.stats, self.model.cfg
         return RunResult(

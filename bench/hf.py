@@ -13,17 +13,21 @@ from collections.abc import Callable, Mapping
 import torch
 
 from common.config import ModelConfig
-from common.hf import hf_llama
+from common.hf import default_max_positions, hf_llama
 
 from .costs import dense_kv_bytes, dense_work, model_flops, wait_for
 from .harness import RunResult, Workload
 
 
-def load_hf_llama(cfg: ModelConfig, weights: Mapping[str, torch.Tensor] | None = None):
+def load_hf_llama(
+    cfg: ModelConfig,
+    weights: Mapping[str, torch.Tensor] | None = None,
+    max_position_embeddings: int | None = None,
+):
     """HF's model with our seeded weights, or with ``weights`` (a checkpoint's, as
     ``common.checkpoint.load_checkpoint`` returns them: both rows then compute with the very
-    same tensors)."""
-    return hf_llama(cfg, weights)
+    same tensors) and the checkpoint's ``max_position_embeddings``."""
+    return hf_llama(cfg, weights, max_position_embeddings=max_position_embeddings)
 
 
 def hf_runner(
@@ -31,6 +35,7 @@ def hf_runner(
     prompts: list[list[int]],
     workload: Workload,
     weights: Mapping[str, torch.Tensor] | None = None,
+    max_position_embeddings: int | None = None,
 ) -> Callable[[], RunResult] | None:
     """A function that runs one batched greedy ``generate``, or None (with the reason printed).
 
@@ -38,10 +43,15 @@ def hf_runner(
     cache, ``[batch, positions]`` per layer; its figures come from the same formulas as the
     engine's (``bench.costs``), over what it computes: every prompt token, nothing shared.
 
-    ``weights``: a checkpoint's tensors instead of the seeded weights of ``cfg``.
+    ``weights``: a checkpoint's tensors instead of the seeded weights of ``cfg``;
+    ``max_position_embeddings``: the checkpoint's. HF's ``generate`` warns when a sequence
+    would grow past it, so it is raised to the workload's length when that is longer (it
+    changes no number: Llama computes nothing from it).
     """
+    longest = max(len(p) for p in prompts) + workload.max_new_tokens
+    positions = max(max_position_embeddings or default_max_positions(cfg), longest)
     try:
-        model = load_hf_llama(cfg, weights)
+        model = load_hf_llama(cfg, weights, positions)
     except ImportError:
         print("  (Hugging Face row skipped: pip install -e '.[hf]' to add it)")
         return None

@@ -8,7 +8,6 @@ import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,13 +15,8 @@ from common.config import ModelConfig
 
 from .costs import MATMUL_N, MIB, dense_kv_bytes, paged_kv_bytes
 from .harness import RunResult, Workload
+from .rows import SPREAD_FLAG, Row
 
-if TYPE_CHECKING:
-    from .showcase import Row
-
-
-# Rows whose slowest run took more than this many times their fastest are flagged "!".
-SPREAD_FLAG = 1.5
 # What to do about a flagged row, with one torch thread and with several.
 RERUN_HINT = {
     False: "rerun it when the machine is quieter (--steps names a few rows).",

@@ -4,18 +4,23 @@ does, every flag and its default)."""
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from common.cli import HelpFormatter, device_name, dtype_name, non_negative_int, positive_int
+from common.cli import (
+    HelpFormatter,
+    device_name,
+    dtype_name,
+    non_negative_int,
+    positive_int,
+    writable_folder,
+)
 from common.config import DTYPES, PRESETS, ModelConfig
+from common.errors import report_user_errors
 from common.reference import ReferenceModel, reference_generate
 from common.steps import FIXES, available_steps
 from common.text import model_dir_arg
@@ -24,6 +29,10 @@ from . import report
 from .costs import matmul_gflops
 from .harness import RunResult, StepRunner, Workload, bench_config
 from .hf import hf_runner
+from .progress import Progress
+from .rows import Row
+
+PROG = "python -m bench"
 
 ALL_STEPS = "all"
 
@@ -49,44 +58,6 @@ model computed; the peak KV memory it held; and the model FLOPs it did and their
 this machine's own matmul rate. Results go to the --out folder: results.json, and
 speedups.png when matplotlib is installed.
 """
-
-
-@dataclass
-class Row:
-    """One line of the table: a step (or a variant of one) and its figures."""
-
-    name: str
-    fixes: str
-    seconds: list[float]
-    result: RunResult
-    new_tokens: int
-
-    @property
-    def best(self) -> float:
-        """The fastest run: the statistic of a deterministic workload (every run does the same
-        work, so the time above the fastest is other programs' and the OS's)."""
-        return min(self.seconds)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.seconds)
-
-    @property
-    def spread(self) -> float:
-        """Slowest run / fastest run: 1.0 on a quiet machine."""
-        return max(self.seconds) / self.best
-
-    @property
-    def flagged(self) -> bool:
-        return self.spread > report.SPREAD_FLAG
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.best
-
-    @property
-    def gflops_per_second(self) -> float:
-        return self.result.flops / self.best / 1e9
 
 
 def model_name(text: str) -> str:
@@ -121,9 +92,7 @@ def step_list(text: str) -> list[str]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The flags, every value checked here: a bad one exits 2 with one ``error:`` line."""
-    p = argparse.ArgumentParser(
-        prog="python -m bench", description=DESCRIPTION, formatter_class=HelpFormatter
-    )
+    p = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, formatter_class=HelpFormatter)
     w = Workload()
     p.add_argument(
         "--requests",
@@ -204,15 +173,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--out",
+        type=writable_folder,
         default="bench/results",
         metavar="DIR",
-        help="folder for results.json and speedups.png",
+        help="folder for results.json and speedups.png (checked before any work)",
+    )
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no status line on stderr while a slow row runs (it is shown only on a terminal)",
     )
     args = p.parse_args(argv)
     if args.prefix_len + args.tail_len == 0:
         p.error("--prefix-len and --tail-len are both 0: a prompt needs at least one token")
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        p.error(f"--out {args.out}: exists and is not a folder")
     return args
 
 
@@ -230,6 +203,15 @@ def load_model(
     return load_checkpoint(args.model, total_blocks=total_blocks, **changes)
 
 
+def checkpoint_positions(args: argparse.Namespace) -> int | None:
+    """The checkpoint's ``max_position_embeddings`` for the HF row (None for a preset)."""
+    if args.model in PRESETS:
+        return None
+    from common.checkpoint import max_position_embeddings
+
+    return max_position_embeddings(args.model)
+
+
 class Stopwatch:
     """How long each phase of the run took, so that a slow one is visible (and skippable)."""
 
@@ -244,24 +226,51 @@ class Stopwatch:
 
 
 def measure(
-    name: str, fixes: str, run: Callable[[], RunResult], repeats: int, new_tokens: int
+    name: str,
+    fixes: str,
+    run: Callable[[], RunResult],
+    repeats: int,
+    new_tokens: int,
+    progress: Progress | None = None,
+    live: Callable[[], str] | None = None,
 ) -> Row:
-    """``repeats`` runs of one row, each printed as it finishes (a slow row shows at once)."""
+    """``repeats`` runs of one row, printed as one line when the row is done. Meanwhile a
+    slow row shows on ``progress`` (which run, ``live``'s figure, the time so far)."""
     seconds, result = [], None
-    print(f"  {name:<26}", end="", flush=True)
-    for _ in range(repeats):
-        result = run()
-        seconds.append(result.seconds)
-        print(f" {result.seconds:6.2f}s", end="", flush=True)
+    with (progress or Progress(enabled=False)).task(name) as task:
+        task.live = live
+        for i in range(repeats):
+            done = f" (done: {', '.join(f'{s:.2f}s' for s in seconds)})" if seconds else ""
+            task.note = f"run {i + 1}/{repeats}{done}"
+            result = run()
+            seconds.append(result.seconds)
     row = Row(name, fixes, seconds, result, new_tokens)
-    print(f"  ! {row.spread:.2f}x apart" if row.flagged else "")
+    times = "".join(f" {s:6.2f}s" for s in seconds)
+    print(f"  {name:<26}{times}" + (f"  ! {row.spread:.2f}x apart" if row.flagged else ""))
     return row
 
 
+def computed_so_far(runner: StepRunner) -> Callable[[], str]:
+    """The running engine's computed tokens so far, for the status line."""
+
+    def figure() -> str:
+        work = runner.live
+        return f"{work.tokens:,} tokens computed" if work is not None else ""
+
+    return figure
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``python -m bench``: a problem with the checkpoint is one ``error:`` line, status 1."""
     args = parse_args(argv)
+    return report_user_errors(PROG, lambda: run_bench(args))
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Every row, the table, the notes, results.json; 0 when every row's tokens agree."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    progress = Progress(enabled=False if args.quiet else None)
     workload = Workload(
         args.requests,
         args.prefix_len,
@@ -269,22 +278,26 @@ def main(argv: list[str] | None = None) -> int:
         args.new_tokens,
         args.max_running or args.requests,
     )
-    cfg, weights = load_model(args, workload)
+    with progress.task(f"loading {args.model}"):
+        cfg, weights = load_model(args, workload)
     prompts = workload.prompts(cfg.vocab_size)
     new_tokens = workload.num_requests * workload.max_new_tokens
     machine_gflops = matmul_gflops(cfg.device)
     print(report.header(cfg, workload, args.repeats, args.model, machine_gflops))
 
-    def timed(name: str, fixes: str, run: Callable[[], RunResult]) -> Row:
-        return measure(name, fixes, run, args.repeats, new_tokens)
+    def timed(name: str, fixes: str, run: Callable[[], RunResult], live=None) -> Row:
+        return measure(name, fixes, run, args.repeats, new_tokens, progress, live)
 
     clock = Stopwatch()
     rows, runner = [], None
     with clock.phase("steps"):
         for name in args.steps:
-            runner = StepRunner(name, cfg, weights)
-            rows.append(timed(name, FIXES[name][1], lambda r=runner: r.run(prompts, workload)))
+            with progress.task(f"{name}: building the model"):
+                runner = StepRunner(name, cfg, weights)
+            run_once = lambda r=runner: r.run(prompts, workload)  # noqa: E731
+            rows.append(timed(name, FIXES[name][1], run_once, computed_so_far(runner)))
         last, earlier = rows[-1].name, workload.earlier_prompt(cfg.vocab_size)
+        live = computed_so_far(runner)
         extra = [
             # The last step on a server that has seen the prefix before: one earlier request
             # (untimed, through the same engine) put it in the cache.
@@ -292,24 +305,27 @@ def main(argv: list[str] | None = None) -> int:
                 f"{last} (warm prefix)",
                 "the same, after one earlier request cached the prefix",
                 lambda: runner.run(prompts, workload, earlier_prompt=earlier),
+                live,
             ),
             # The last step again, cache off: what the prefix cache itself buys.
             timed(
                 f"{last} (no cache)",
                 "the same, prefix cache disabled",
                 lambda: runner.run(prompts, workload, enable_prefix_cache=False),
+                live,
             ),
         ]
     if not args.no_hf:
         with clock.phase("Hugging Face"):
-            hf_run = hf_runner(cfg, prompts, workload, weights)
+            with progress.task("Hugging Face: building the model"):
+                hf_run = hf_runner(cfg, prompts, workload, weights, checkpoint_positions(args))
             if hf_run is not None:
                 extra.append(
                     timed("HF generate", "transformers LlamaForCausalLM.generate, batched", hf_run)
                 )
     expected = None
     if not args.no_reference:
-        with clock.phase("reference check"):
+        with clock.phase("reference check"), progress.task("dense reference"):
             expected = reference_tokens(cfg, weights, prompts, workload)
     same = report.check_tokens(rows + extra, expected)
     print(report.table(rows, extra))
@@ -327,13 +343,13 @@ def reference_tokens(
     workload: Workload,
 ) -> list[list[int]]:
     """The dense, cache-free model's tokens: every row must match them."""
-    print(f"  {'dense reference':<26}", end="", flush=True)
     start = time.perf_counter()
     model = ReferenceModel(cfg)
     if weights is not None:
         model.load_weights(weights)
     tokens = reference_generate(model, prompts, workload.max_new_tokens)
-    print(f" {time.perf_counter() - start:6.2f}s (correctness only, not timed against)")
+    seconds = time.perf_counter() - start
+    print(f"  {'dense reference':<26} {seconds:6.2f}s (correctness only, not timed against)")
     return tokens
 
 

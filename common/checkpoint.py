@@ -12,6 +12,7 @@ the field: a model that loads but silently computes something different would be
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,8 +20,9 @@ from typing import Any
 
 import torch
 
-from .config import Llama3RopeScaling, ModelConfig
-from .weights import CheckpointError
+from .config import Llama3RopeScaling, ModelConfig, parse_dtype
+from .errors import CheckpointError, MissingPackageError
+from .weights import check_weights
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -42,15 +44,23 @@ def require_safetensors() -> Any:
     try:
         import safetensors.torch
     except ImportError as exc:
-        raise ImportError(
+        raise MissingPackageError(
             "loading a checkpoint needs the 'safetensors' package: pip install -e '.[real]'"
         ) from exc
     return safetensors.torch
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    """A JSON file of the checkpoint; a broken one is the checkpoint's problem, said in one
+    line (not a ``JSONDecodeError`` traceback)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(data).__name__}, not an object")
+    return data
 
 
 def checkpoint_dir(path: str | Path) -> Path:
@@ -114,8 +124,8 @@ def _rope_fields(hf: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None
     theta = 10000.0 if theta is None else float(theta)
     scaling = scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    partial = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
+    partial = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial is not None and partial != 1.0:  # below 1: RoPE on only part of each head
         raise CheckpointError(f"partial_rotary_factor={partial}: only full rotary is supported")
     if rope_type == "default":
         return theta, None
@@ -123,22 +133,42 @@ def _rope_fields(hf: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None
         raise CheckpointError(
             f"{where} rope_type={rope_type!r}: only 'default' and 'llama3' RoPE are supported"
         )
+    return theta, llama3_scaling(scaling, where)
+
+
+# Llama 3.1's values: what a ``llama3`` scaling means when a field is left out.
+LLAMA31_SCALING = Llama3RopeScaling()
+
+
+def llama3_scaling(scaling: Mapping[str, Any], where: str) -> Llama3RopeScaling:
+    """The ``llama3`` fields; a field that is absent (or null) takes Llama 3.1's value."""
+
+    def field(name: str) -> Any:
+        value = scaling.get(name)
+        return getattr(LLAMA31_SCALING, name) if value is None else value
+
     try:
-        return theta, Llama3RopeScaling(
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling["low_freq_factor"]),
-            high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        return Llama3RopeScaling(
+            factor=float(field("factor")),
+            low_freq_factor=float(field("low_freq_factor")),
+            high_freq_factor=float(field("high_freq_factor")),
+            original_max_position_embeddings=int(field("original_max_position_embeddings")),
         )
-    except KeyError as exc:
-        raise CheckpointError(f"{where}: llama3 scaling without {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
 
 
 def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     """A ``ModelConfig`` from a ``config.json`` dict, plus ``overrides`` (``block_size``,
     ``total_blocks``, ``dtype``, ``device``, ...). ``seed`` is None: the weights come from the
     checkpoint. The default dtype is float32, whatever the checkpoint stores (``dtype`` /
-    ``torch_dtype`` say how the files are stored, not how to compute)."""
+    ``torch_dtype`` say how the files are stored, not how to compute); ``dtype="auto"`` asks
+    for the stored one, as in Hugging Face.
+
+    A problem of the checkpoint is a ``CheckpointError`` that names ``config.json``; a bad
+    override is a ``ValueError`` (or ``TypeError``) that names the argument, since the
+    checkpoint is not at fault.
+    """
     _refuse_unsupported(hf)
     missing = [key for key in REQUIRED_FIELDS if hf.get(key) is None]
     if missing:
@@ -146,15 +176,50 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     fields: dict[str, Any] = {ours: int(hf[theirs]) for theirs, ours in REQUIRED_FIELDS.items()}
     fields["num_kv_heads"] = hf.get("num_key_value_heads")  # absent or null: num_heads
     fields["head_dim"] = hf.get("head_dim")  # absent or null: hidden_size // heads
+    # Absent means untied: transformers' LlamaConfig defaults to tie_word_embeddings=False.
     fields["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", False))
     fields["rope_theta"], fields["rope_scaling"] = _rope_fields(hf)
     fields["rms_norm_eps"] = float(hf.get("rms_norm_eps", 1e-6))
     fields["seed"] = None
-    fields.update(overrides)
     try:
-        return ModelConfig(**fields)
+        cfg = ModelConfig(**fields)
     except ValueError as exc:
         raise CheckpointError(f"{CONFIG_FILE}: {exc}") from exc
+    return apply_overrides(cfg, hf, overrides)
+
+
+def apply_overrides(
+    cfg: ModelConfig, hf: Mapping[str, Any], overrides: dict[str, Any]
+) -> ModelConfig:
+    """``cfg`` with the caller's ``overrides``; an error names the argument that caused it."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise TypeError(
+            f"unknown argument {unknown[0]}={overrides[unknown[0]]!r}: the overrides are "
+            f"ModelConfig fields ({', '.join(sorted(known))})"
+        )
+    overrides = dict(overrides)
+    if overrides.get("dtype") == "auto":
+        overrides["dtype"] = stored_dtype(hf)
+    try:
+        return cfg.replace(**overrides)
+    except ValueError as exc:
+        if any(str(exc).startswith(f"{name}=") for name in overrides):
+            raise ValueError(str(exc)) from None  # it names the argument already
+        named = [name for name in overrides if name in str(exc)] or list(overrides)
+        given = ", ".join(f"{name}={overrides[name]!r}" for name in named)
+        raise ValueError(f"{given}: {exc}") from None
+
+
+def stored_dtype(hf: Mapping[str, Any]) -> torch.dtype:
+    """The dtype the checkpoint's files are stored in (``dtype``, or ``torch_dtype`` in older
+    configs); float32 when the config does not say."""
+    name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    try:
+        return parse_dtype(name, "the stored dtype")
+    except ValueError as exc:
+        raise CheckpointError(f"{CONFIG_FILE}: {exc}") from None
 
 
 def checkpoint_config(path: str | Path, **overrides: Any) -> ModelConfig:
@@ -165,14 +230,27 @@ def checkpoint_config(path: str | Path, **overrides: Any) -> ModelConfig:
 def eos_token_ids(path: str | Path) -> list[int]:
     """The ids that end a generation: ``generation_config.json``'s ``eos_token_id`` if there is
     one, else ``config.json``'s (either may be one id or a list; Llama 3 chat models list
-    several, ``<|eot_id|>`` among them)."""
+    several, ``<|eot_id|>`` among them). A request stops at the first of them it generates."""
     folder = checkpoint_dir(path)
     for name in (GENERATION_CONFIG_FILE, CONFIG_FILE):
         if (folder / name).is_file():
             eos = read_json(folder / name).get("eos_token_id")
             if eos is not None:
-                return [int(i) for i in eos] if isinstance(eos, list) else [int(eos)]
+                ids = eos if isinstance(eos, list) else [eos]
+                if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                    raise CheckpointError(
+                        f"{name}: eos_token_id must be a token id or a list of them, got {eos!r}"
+                    )
+                return list(ids)
     return []
+
+
+def max_position_embeddings(path: str | Path) -> int | None:
+    """``config.json``'s ``max_position_embeddings`` (None when absent). The engine ignores it
+    (the KV pool decides how long a sequence can be), but a Hugging Face model built on the
+    same checkpoint wants the checkpoint's own value."""
+    value = read_json(checkpoint_dir(path) / CONFIG_FILE).get("max_position_embeddings")
+    return int(value) if value is not None else None
 
 
 # ---- *.safetensors --------------------------------------------------------------------------
@@ -205,11 +283,45 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     load_file = require_safetensors().load_file
     weights: dict[str, torch.Tensor] = {}
     for file in safetensors_files(folder):
-        for name, tensor in load_file(str(file)).items():
+        try:
+            tensors = load_file(str(file))
+        except Exception as exc:  # safetensors' own error type: a truncated or foreign file
+            raise CheckpointError(f"{file} cannot be read as safetensors: {exc}") from None
+        for name, tensor in tensors.items():
             if name in weights:
                 raise CheckpointError(f"tensor {name} is stored twice ({file.name} and another)")
             weights[name] = tensor
     return weights
+
+
+def stored_shapes(folder: Path) -> dict[str, torch.Tensor]:
+    """Every stored tensor's name and shape, read from the files' headers only (milliseconds,
+    however large the model), as shape-only tensors on the meta device."""
+    require_safetensors()
+    from safetensors import safe_open
+
+    shapes: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(folder):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                    shape = f.get_slice(name).get_shape()
+                    shapes[name] = torch.empty(shape, device="meta")
+        except Exception as exc:  # safetensors' own error type: a truncated or foreign file
+            raise CheckpointError(f"{file} cannot be read as safetensors: {exc}") from None
+    return shapes
+
+
+def check_stored_shapes(path: str | Path, cfg: ModelConfig) -> None:
+    """The weights' names and shapes against ``cfg`` before any weight is read: a checkpoint
+    that does not fit is refused in a second, not after loading gigabytes. (A tied
+    checkpoint's extra ``lm_head.weight`` is compared with the embedding at load.)"""
+    shapes = stored_shapes(checkpoint_dir(path))
+    for name in [n for n in shapes if n.endswith("rotary_emb.inv_freq")]:
+        del shapes[name]
+    if cfg.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    check_weights(shapes, cfg)
 
 
 def _drop_redundant(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
@@ -243,6 +355,7 @@ def load_checkpoint(
     """
     folder = checkpoint_dir(path)
     cfg = checkpoint_config(folder, **overrides)
+    check_stored_shapes(folder, cfg)
     weights = read_safetensors(folder)
     _drop_redundant(weights, cfg)
     for name in weights:

@@ -12,7 +12,9 @@ of surfacing minutes later as a traceback (or, worse, as a negative tokens/s).
 from __future__ import annotations
 
 import argparse
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -75,4 +77,28 @@ def device_name(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"{text!r}: there is no GPU {device.index} ({torch.cuda.device_count()} visible)"
         )
+    return text
+
+
+def writable_folder(text: str) -> str:
+    """A folder to write results in: one that exists, or can be made, and takes a file.
+
+    Checked when the flags are read, by writing (and removing) a temporary file in the
+    folder or in its nearest existing parent, so that a run never does all its work and then
+    fails to save it. Nothing is created here.
+    """
+    folder = Path(text).expanduser()
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "" if existing == folder else f" ({existing} is a file)"
+        raise argparse.ArgumentTypeError(f"{text}: exists and is not a folder{where}")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{text}: cannot write in {existing} ({exc.strerror or exc}); choose another folder"
+        ) from None
     return text

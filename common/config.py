@@ -6,6 +6,30 @@ from dataclasses import dataclass, replace
 
 import torch
 
+# The dtypes a model can be built in, under the names --dtype takes.
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def parse_dtype(value: str | torch.dtype, name: str = "dtype") -> torch.dtype:
+    """A dtype the model can compute in, given as a torch dtype or by name.
+
+    Hugging Face users write ``dtype="bfloat16"`` (or ``"torch.bfloat16"``), command lines
+    ``--dtype bfloat16``; both mean ``torch.bfloat16`` here. Anything else is a ``ValueError``
+    that names the argument (``name``) and the choices.
+    """
+    if isinstance(value, torch.dtype):
+        if value not in DTYPES.values():
+            raise ValueError(f"{name}={value}: choose from {', '.join(DTYPES)}")
+        return value
+    if isinstance(value, str) and value.removeprefix("torch.") in DTYPES:
+        return DTYPES[value.removeprefix("torch.")]
+    raise ValueError(f"{name}={value!r} is not a dtype; choose from {', '.join(DTYPES)}")
+
 
 @dataclass(frozen=True)
 class Llama3RopeScaling:
@@ -61,7 +85,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     block_size: int = 16
     total_blocks: int = 512
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype | str = torch.float32  # a name ("bfloat16") becomes the torch dtype
     device: str = "cpu"
     seed: int | None = 0
 
@@ -70,6 +94,7 @@ class ModelConfig:
         # A plain attribute, not a field: not part of the config's value (==, hash, asdict).
         derived = frozenset(name for name in _DERIVED if getattr(self, name) is None)
         object.__setattr__(self, "_derived", derived)
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.head_dim is None:
@@ -99,8 +124,6 @@ class ModelConfig:
             )
         if self.d_head % 2:
             raise ValueError(f"d_head={self.d_head} must be even for rotary embeddings")
-        if not self.dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating point dtype, got {self.dtype}")
 
     @property
     def d_head(self) -> int:
@@ -162,18 +185,3 @@ def preset(name: str, **changes: object) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
     return PRESETS[name].replace(**changes)
-
-
-DTYPES = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    """Command-line dtype names (``float32``, ``bfloat16``, ...) to torch dtypes."""
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose from {sorted(DTYPES)}")
-    return DTYPES[name]

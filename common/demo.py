@@ -83,15 +83,17 @@ def parse_args(step_name: str, argv: list[str] | None) -> argparse.Namespace:
         type=non_negative_int,
         default=1,
         metavar="N",
-        help="torch CPU threads (0: torch's default); one suits the small demo model and "
-        "keeps its timings steady on a busy machine; a real --model wants 0",
+        help="torch CPU threads (0: torch's default, one per core); one keeps timings steady "
+        "on a busy machine; a real --model runs faster on more of an idle machine's cores",
     )
     add_model_args(p)
     args = p.parse_args(argv)
     if args.model is not None:
-        return args  # real text: the engine refuses a request the pool could never hold
+        return args  # real text: common/text.py checks each request before loading
     if args.system is not None or args.prompt:
         p.error("--system and --prompt need --model DIR (a checkpoint): the demo has its own")
+    if args.no_chat_template:
+        p.error("--no-chat-template needs --model DIR (a checkpoint with a chat template)")
     need = blocks_for_longest_request(args.block_size, args.max_new_tokens)
     if args.total_blocks < need:
         p.error(

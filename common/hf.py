@@ -19,11 +19,27 @@ from .config import ModelConfig
 from .weights import make_state_dict
 
 
-def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
+def default_max_positions(cfg: ModelConfig) -> int:
+    """A ``max_position_embeddings`` for a config that comes without one (the seeded presets).
+
+    Neither our model nor HF's Llama computes anything from it (the ``llama3`` scaling reads
+    its own ``original_max_position_embeddings``), but transformers checks it: it must exceed
+    the scaling's original context, or a warning lands in the middle of the output. A llama3
+    model's context is the original one stretched by the scaling's factor.
+    """
+    if cfg.rope_scaling is None:
+        return 8192
+    scaling = cfg.rope_scaling
+    return scaling.original_max_position_embeddings * max(2, int(scaling.factor))
+
+
+def hf_config_dict(cfg: ModelConfig, max_position_embeddings: int | None = None) -> dict[str, Any]:
     """``cfg`` as the keyword arguments of ``LlamaConfig`` (the fields of a ``config.json``).
 
     RoPE goes in the older ``rope_theta`` + ``rope_scaling`` layout, which every transformers
     version reads (current ones convert it to ``rope_parameters`` themselves).
+    ``max_position_embeddings``: the checkpoint's own, when there is one (``ModelConfig`` does
+    not keep it: the engine has no use for it); else ``default_max_positions``.
     """
     scaling = None
     if cfg.rope_scaling is not None:
@@ -46,7 +62,7 @@ def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
         "rope_scaling": scaling,
-        "max_position_embeddings": 8192,
+        "max_position_embeddings": max_position_embeddings or default_max_positions(cfg),
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "attention_bias": False,
         "mlp_bias": False,
@@ -57,18 +73,22 @@ def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def hf_llama(
-    cfg: ModelConfig, weights: Mapping[str, torch.Tensor] | None = None, attn: str | None = None
+    cfg: ModelConfig,
+    weights: Mapping[str, torch.Tensor] | None = None,
+    attn: str | None = None,
+    max_position_embeddings: int | None = None,
 ) -> Any:
     """A ``LlamaForCausalLM`` holding ``weights`` (default: ours from ``cfg.seed``), in
     ``cfg.dtype`` on ``cfg.device``, in eval mode.
 
     ``attn``: HF's attention implementation (``"eager"``: the plain matmul-softmax-matmul the
     tests compare with; None: HF's default, ``"sdpa"``, the fast one the benchmark times).
+    ``max_position_embeddings``: the checkpoint's (see ``hf_config_dict``).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     extra = {} if attn is None else {"attn_implementation": attn}
-    hf_cfg = LlamaConfig(**hf_config_dict(cfg), **extra)
+    hf_cfg = LlamaConfig(**hf_config_dict(cfg, max_position_embeddings), **extra)
     model = LlamaForCausalLM(hf_cfg)
     state = dict(make_state_dict(cfg) if weights is None else weights)
     if cfg.tie_word_embeddings:  # HF ties lm_head to the embedding itself

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 import torch
 
 from .config import ModelConfig
+from .errors import CheckpointError  # also imported from here, as common.weights.CheckpointError
 
 LOGIT_SCALE = 8.0  # std of the logits for a unit-RMS final hidden state
 QK_GAIN = 1.5  # >1 sharpens attention scores
@@ -76,10 +77,6 @@ def make_state_dict(cfg: ModelConfig) -> dict[str, torch.Tensor]:
         # Norm weights near 1 (not exactly 1), so that a swapped or missing one changes outputs.
         state[name] = 1.0 + 0.1 * noise if std == 0.0 else std * noise
     return state
-
-
-class CheckpointError(ValueError):
-    """A set of weights, or a checkpoint's config, that this model cannot take as it is."""
 
 
 def check_weights(weights: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:

@@ -26,101 +26,18 @@ pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
 from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from bench import showcase
 from common.checkpoint import config_from_hf, eos_token_ids, load_checkpoint
-from common.config import Llama3RopeScaling, preset
 from common.hf import hf_llama
 from common.text import add_model_args, encode_prompts, generate_text, load_tokenizer, run_text
 from common.weights import CheckpointError
 from tests.helpers import STEP_NAMES
+from tests.toy_checkpoint import CFG, VOCAB, WORDS, word_tokenizer
 
-WORDS = [
-    "the",
-    "a",
-    "cat",
-    "dog",
-    "bird",
-    "sat",
-    "ran",
-    "flew",
-    "on",
-    "under",
-    "over",
-    "mat",
-    "tree",
-    "house",
-    "red",
-    "blue",
-    "green",
-    "small",
-    "big",
-    "old",
-    "new",
-    "one",
-    "two",
-    "three",
-    "and",
-    "or",
-    "but",
-    "then",
-    "it",
-    "is",
-    "was",
-    "were",
-    "be",
-    "here",
-    "there",
-    "today",
-    "yesterday",
-    "quick",
-    "slow",
-    "happy",
-    "sad",
-    "river",
-    "hill",
-    "road",
-    "city",
-    "sun",
-    "moon",
-    "star",
-    "rain",
-    "snow",
-    "wind",
-    "morning",
-    "night",
-    "bread",
-    "milk",
-    "tea",
-    "book",
-    "pen",
-    "door",
-]
-SPECIAL = ["<unk>", "<s>", "</s>"]
-VOCAB = SPECIAL + WORDS  # model vocab = tokenizer vocab: every generated id decodes
 SYSTEM = "a small happy bird sat on the old tree today and it was here"
 PROMPTS = ["the cat sat on", "two red dog ran under the big", "it was morning"]
 NEW_TOKENS = 10
-
-CFG = preset(
-    "tiny",
-    vocab_size=len(VOCAB),
-    num_kv_heads=2,
-    tie_word_embeddings=True,
-    rope_scaling=Llama3RopeScaling(4.0, 1.0, 4.0, 64),  # all three bands: see test_hf_oracle
-    rope_theta=500000.0,
-    block_size=4,
-)
-
-
-def word_tokenizer() -> Tokenizer:
-    """A word-level tokenizer whose post-processor adds ``<s>``, as Llama's does."""
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tok.add_special_tokens(SPECIAL)
-    return tok
 
 
 def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], eos: int | None) -> list[list[int]]:
@@ -491,7 +408,8 @@ def test_run_py_serves_text_from_a_checkpoint(
     decode = checkpoint["tokenizer"].decode
     for prompt, ids in zip(PROMPTS, checkpoint["expected"]):
         assert f"] {prompt}\n" in out
-        assert f"-> {decode(ids, skip_special_tokens=True)}  ({len(ids)} tokens)" in out
+        count = f"{len(ids)} token{'' if len(ids) == 1 else 's'}"
+        assert f"-> {decode(ids, skip_special_tokens=True)}  ({count})" in out
     assert out.startswith(f"{step_name}: {checkpoint['single']}")
     cache = re.search(r"prefix cache: \d+/3 requests hit, (\d+)/(\d+) prompt tokens", out)
     assert cache is not None, out

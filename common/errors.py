@@ -1,0 +1,54 @@
+"""The errors that mean "what you gave cannot be used", as opposed to a bug.
+
+A checkpoint the engine cannot compute, a request the pool could never hold, a tokenizer file
+that is missing, a package that is not installed: each is raised as a ``UserError`` with a
+message that says what is wrong and what to do. The command lines (``run.py --model DIR``,
+``python -m bench``) catch exactly these and print the message as one ``error:`` line, with a
+non-zero exit status; anything else keeps its traceback, because anything else is a bug.
+
+Each class also derives from the built-in exception a Python caller would expect
+(``ValueError`` for bad input, ``ImportError`` for a missing package), so ``except ValueError``
+keeps working for code that used the API before these classes existed.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+
+class UserError(Exception):
+    """Input that the program cannot use: the command line prints it on one line, exits 1."""
+
+
+class CheckpointError(UserError, ValueError):
+    """A set of weights, a checkpoint's config or its tokenizer files that this model cannot
+    take as they are."""
+
+
+class RequestError(UserError, ValueError):
+    """A request that cannot be served: empty once tokenized, or larger than the KV pool."""
+
+
+class MissingPackageError(UserError, ImportError):
+    """An optional package that this feature needs is not installed; the message says which
+    extra to install."""
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line: a list of problems (``check_weights`` lists every
+    tensor that does not fit) is joined with "; " rather than printed over several lines."""
+    parts = [part.strip() for part in str(error).splitlines()]
+    text = "; ".join(part for part in parts if part)
+    return text.replace(":;", ":")
+
+
+def report_user_errors(prog: str, body: Callable[[], int]) -> int:
+    """Run ``body`` and return its exit status; a ``UserError`` becomes one line on stderr,
+    ``<prog>: error: <message>`` (argparse's form), and status 1. Other exceptions propagate
+    with their traceback."""
+    try:
+        return body()
+    except UserError as exc:
+        print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
+        return 1

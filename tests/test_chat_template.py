@@ -1,0 +1,278 @@
+"""The checkpoint's chat template: the text front end writes each request in the model's own
+markup, token for token as transformers' ``apply_chat_template`` does, and the shared system
+part still comes from the prefix cache.
+
+The checkpoint is built as a user would meet it: a byte-level BPE ``tokenizer.json`` (trained
+here, in a second, on a few sentences), saved by transformers' ``save_pretrained`` with a chat
+template, next to a tiny Llama with grouped-query attention, tied embeddings and ``llama3``
+RoPE. transformers saves the template as ``chat_template.jinja``; checkpoints on the hub carry
+it in ``tokenizer_config.json``: both are tested.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+pytest.importorskip("tokenizers")
+pytest.importorskip("jinja2")
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from common.chat import load_chat_template
+from common.config import Llama3RopeScaling, preset
+from common.errors import UserError
+from common.hf import hf_llama
+from common.text import common_prefix_len, encode_chat, generate_text, load_tokenizer
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "The capital of France is Paris. Water boils at one hundred degrees.",
+    "You are a concise assistant. Answer in one sentence, and be kind.",
+    "The moon is bright tonight; the stars are out over the quiet city.",
+]
+# Newlines after block tags and indented tags: rendered right only with trim_blocks and
+# lstrip_blocks, as transformers renders them. Without a system message it writes a default
+# one; an unknown role is refused through raise_exception.
+TEMPLATE = """{{ bos_token }}
+{% if messages[0]['role'] != 'system' %}
+<|im_start|>system
+You are a helpful assistant.<|im_end|>
+{% endif %}
+{% for message in messages %}
+    {% if message['role'] not in ['system', 'user', 'assistant'] %}
+        {{ raise_exception('unknown role ' + message['role']) }}
+    {% endif %}
+<|im_start|>{{ message['role'] }}
+{{ message['content'] | trim }}<|im_end|>
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}"""
+SYSTEM = "You are a concise assistant. Answer in one sentence, and be kind to everyone."
+PROMPTS = ["The capital of France is", "Water boils at", "Is the moon bright tonight?"]
+
+
+def bpe_tokenizer(add_bos: bool = True) -> Tokenizer:
+    """A byte-level BPE tokenizer (as GPT-2, Llama 3 and SmolLM2 use), trained on CORPUS.
+    With ``add_bos`` its post-processor puts ``<|endoftext|>`` first, as Llama 3's puts
+    ``<|begin_of_text|>``: a chat template that writes the BOS itself must not get two."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    if add_bos:
+        bos = (SPECIALS[0], tok.token_to_id(SPECIALS[0]))
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos[0]} $A", special_tokens=[bos]
+        )
+    return tok
+
+
+def save_chat_checkpoint(
+    folder: Path,
+    template: str | None = TEMPLATE,
+    rope_scaling: Llama3RopeScaling = Llama3RopeScaling(4.0, 1.0, 4.0, 64),  # noqa: B008
+    max_position_embeddings: int | None = None,
+    add_bos: bool = True,
+) -> Path:
+    """A Llama checkpoint whose tokenizer files carry ``template`` (as transformers saves
+    them: ``chat_template.jinja``), with eos ``<|im_end|>``. The default ``rope_scaling``
+    puts the tiny model's positions in all three of llama3's bands; Llama 3.2's own is
+    ``Llama3RopeScaling(32.0, 1.0, 4.0, 8192)`` with ``max_position_embeddings=131072``."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = bpe_tokenizer(add_bos)
+    cfg = preset(
+        "tiny",
+        vocab_size=tok.get_vocab_size(),
+        num_kv_heads=2,
+        tie_word_embeddings=True,
+        rope_scaling=rope_scaling,
+        rope_theta=500000.0,
+    )
+    hf_llama(cfg, max_position_embeddings=max_position_embeddings).save_pretrained(folder)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>"
+    )
+    if template is not None:
+        fast.chat_template = template
+    fast.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["eos_token_id"] = tok.token_to_id("<|im_end|>")
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def move_template_into_tokenizer_config(folder: Path) -> None:
+    """The layout most hub checkpoints have: ``chat_template`` inside tokenizer_config.json."""
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = (folder / "chat_template.jinja").read_text()
+    config_path.write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink()
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("chat")
+    jinja = save_chat_checkpoint(root / "jinja")
+    assert (jinja / "chat_template.jinja").is_file()
+    in_config = root / "in-config"
+    shutil.copytree(jinja, in_config)
+    move_template_into_tokenizer_config(in_config)
+    return {"jinja": jinja, "tokenizer_config": in_config}
+
+
+def transformers_ids(folder: Path, messages: list[dict[str, str]]) -> list[int]:
+    """What transformers' own ``apply_chat_template`` makes of the conversation."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+CONVERSATIONS = {
+    "system+user": (SYSTEM, "The capital of France is"),
+    "user only": (None, "Water boils at"),
+    "padded": ("  Be brief.  ", "  Is the moon bright tonight?\n"),
+    "non-ascii": ("Réponds en français.", "La capitale de la France est"),
+}
+
+
+@pytest.mark.parametrize("layout", ["jinja", "tokenizer_config"])
+@pytest.mark.parametrize("case", CONVERSATIONS, ids=list(CONVERSATIONS))
+def test_chat_ids_equal_transformers_apply_chat_template(
+    chat_checkpoints: dict[str, Path], layout: str, case: str
+) -> None:
+    folder = chat_checkpoints[layout]
+    system, prompt = CONVERSATIONS[case]
+    template = load_chat_template(folder)
+    assert template is not None
+    ours = encode_chat(load_tokenizer(folder), template, [prompt], system)[0]
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    messages.append({"role": "user", "content": prompt})
+    assert ours == transformers_ids(folder, messages)
+
+
+# Tool-calling templates serialize with tojson: transformers' keeps non-ASCII text as it is
+# (Jinja's own would write \\u escapes and HTML-escape "<").
+TOJSON_TEMPLATE = """{% for message in messages %}
+<|im_start|>{{ message['role'] }}
+{{ message | tojson }}<|im_end|>
+{% endfor %}
+{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_tojson_as_transformers_writes_it(tmp_path: Path) -> None:
+    folder = save_chat_checkpoint(tmp_path / "tojson", template=TOJSON_TEMPLATE)
+    messages = [{"role": "user", "content": "Réponds: <b>café</b> & thé"}]
+    template = load_chat_template(folder)
+    assert "café" in template.render(messages)
+    ours = encode_chat(load_tokenizer(folder), template, [messages[0]["content"]])[0]
+    assert ours == transformers_ids(folder, messages)
+
+
+def test_template_sees_the_special_tokens_of_tokenizer_config(
+    chat_checkpoints: dict[str, Path],
+) -> None:
+    """``{{ bos_token }}`` renders the tokenizer's BOS, whichever way the config stores it."""
+    folder = chat_checkpoints["tokenizer_config"]
+    template = load_chat_template(folder)
+    assert template.special_tokens["bos_token"] == "<|endoftext|>"
+    assert template.render([{"role": "user", "content": "hi"}]).startswith("<|endoftext|>")
+
+
+def test_a_template_that_refuses_is_a_user_error(chat_checkpoints: dict[str, Path]) -> None:
+    template = load_chat_template(chat_checkpoints["jinja"])
+    with pytest.raises(UserError, match=r"unknown role tool.*--no-chat-template"):
+        template.render([{"role": "tool", "content": "{}"}])
+
+
+@pytest.mark.parametrize("step_name", ["step14", "step14_7"])
+def test_the_chat_system_prompt_is_computed_once_for_all_requests(
+    chat_checkpoints: dict[str, Path], step_name: str
+) -> None:
+    """Admitted together, the requests share every full block of the chat-formatted system
+    part: each block is computed by one request and adopted by the others."""
+    block = 4
+    result = generate_text(
+        step_name,
+        chat_checkpoints["jinja"],
+        PROMPTS,
+        system=SYSTEM,
+        max_new_tokens=4,
+        block_size=block,
+    )
+    assert result.chat_template == "chat_template.jinja"
+    shared = common_prefix_len(result.prompt_ids)
+    assert result.system_tokens >= 3 * block  # several blocks of system prompt
+    assert shared >= result.system_tokens
+    shared_text = load_tokenizer(chat_checkpoints["jinja"]).decode(result.prompt_ids[0][:shared])
+    assert SYSTEM in shared_text, "the system prompt itself is in the shared part"
+    s = result.stats
+    assert s.requests_hit == len(PROMPTS)
+    assert s.cached_tokens == (len(PROMPTS) - 1) * (shared // block) * block
+    assert s.computed_prefill_tokens == s.prompt_tokens - s.cached_tokens
+
+
+def test_no_chat_template_serves_plain_completions(chat_checkpoints: dict[str, Path]) -> None:
+    folder = chat_checkpoints["jinja"]
+    chat = generate_text("step14_7", folder, PROMPTS[:1], max_new_tokens=2)
+    plain = generate_text("step14_7", folder, PROMPTS[:1], max_new_tokens=2, chat_template=False)
+    tok = load_tokenizer(folder)
+    assert plain.chat_template is None
+    assert plain.prompt_ids == [tok.encode(PROMPTS[0]).ids]
+    assert chat.prompt_ids != plain.prompt_ids
+    assert "<|im_start|>assistant" in tok.decode(chat.prompt_ids[0], skip_special_tokens=False)
+
+
+def test_a_checkpoint_without_template_is_served_plain(tmp_path: Path) -> None:
+    folder = save_chat_checkpoint(tmp_path / "plain", template=None)
+    assert load_chat_template(folder) is None
+    result = generate_text("step14_7", folder, ["Water boils at"], max_new_tokens=2)
+    assert result.chat_template is None
+
+
+def test_a_named_template_list_uses_the_default(chat_checkpoints: dict[str, Path]) -> None:
+    """Some tokenizer_config.json files list named templates; ``default`` is the chat one."""
+    folder = chat_checkpoints["tokenizer_config"]
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    original = config["chat_template"]
+    config["chat_template"] = [
+        {"name": "tool_use", "template": "{{ raise_exception('not this one') }}"},
+        {"name": "default", "template": original},
+    ]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    try:
+        assert load_chat_template(folder).template == original
+    finally:
+        config["chat_template"] = original
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def test_run_py_says_it_applies_the_template(
+    chat_checkpoints: dict[str, Path], capsys: pytest.CaptureFixture[str], step: ModuleType
+) -> None:
+    import importlib
+
+    run = importlib.import_module(f"{step.__name__}.run")
+    argv = ["--model", str(chat_checkpoints["jinja"]), "--max-new-tokens", "2"]
+    assert run.main([*argv, "--prompt", "Water boils at"]) == 0
+    assert "chat template: chat_template.jinja" in capsys.readouterr().out
+    assert run.main([*argv, "--prompt", "Water boils at", "--no-chat-template"]) == 0
+    assert "chat template" not in capsys.readouterr().out
