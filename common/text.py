@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -94,6 +95,7 @@ def generate_text(
     max_new_tokens: int = 32,
     max_running: int = 8,
     model: torch.nn.Module | None = None,
+    on_engine: Callable[[Any], object] | None = None,
     **overrides: Any,
 ) -> TextResult:
     """Load ``model_dir`` into ``step``'s model (or use ``model``), serve ``prompts`` (behind
@@ -101,7 +103,8 @@ def generate_text(
 
     ``overrides`` go to ``from_pretrained`` (``block_size``, ``total_blocks``, ``dtype``,
     ``device``). Each request ends at the first of the checkpoint's eos ids or after
-    ``max_new_tokens``.
+    ``max_new_tokens``. ``on_engine`` is called with the engine before it serves anything
+    (``run.py --trace`` attaches a ``common.trace.RoundTracer`` there).
     """
     step = load_step(step) if isinstance(step, str) else step
     tokenizer = load_tokenizer(model_dir)
@@ -110,6 +113,8 @@ def generate_text(
     eos = eos_token_ids(model_dir)
     prompt_ids = encode_prompts(tokenizer, prompts, system)
     engine = step.PagedPrefixCacheEngine(model, max_running=max_running)
+    if on_engine is not None:
+        on_engine(engine)
     start = time.perf_counter()
     with torch.inference_mode():
         raw = engine.generate(prompt_ids, max_new_tokens, eos[0] if eos else None)
@@ -203,11 +208,16 @@ def print_result(result: TextResult, system: str | None) -> None:
     )
 
 
-def run_text(step: ModuleType | str, args: argparse.Namespace) -> int:
+def run_text(
+    step: ModuleType | str,
+    args: argparse.Namespace,
+    on_engine: Callable[[Any], object] | None = None,
+) -> int:
     """What ``run.py --model DIR`` does: load, serve ``--prompt``s behind ``--system``, print.
 
     Reads ``args.model``, ``args.prompt``, ``args.system`` and, when the parser has them,
     ``device``, ``dtype``, ``block_size``, ``total_blocks``, ``max_new_tokens``, ``max_running``.
+    ``on_engine``: as in ``generate_text``.
     """
     prompts = args.prompt or ["The capital of France is"]
     overrides: dict[str, Any] = {}
@@ -230,6 +240,7 @@ def run_text(step: ModuleType | str, args: argparse.Namespace) -> int:
         max_new_tokens=getattr(args, "max_new_tokens", None) or 32,
         max_running=getattr(args, "max_running", None) or 8,
         model=model,
+        on_engine=on_engine,
     )
     print_result(result, args.system)
     return 0
