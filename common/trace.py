@@ -54,7 +54,10 @@ class Work:
     allocated: list[int] = field(default_factory=list)  # fresh blocks from the pool
     evicted: list[int] = field(default_factory=list)  # cache-only blocks evicted to give them
     cached: list[int] = field(default_factory=list)  # blocks it filled that the cache took
-    kept_private: list[int] = field(default_factory=list)  # full, but the cache did not take
+    # Full blocks the cache did not take: a copy of a block it holds under the same hash, or
+    # a block whose parent (the block before it) is not cached, which no lookup could reach.
+    copies: list[int] = field(default_factory=list)
+    orphans: list[int] = field(default_factory=list)
     waits: bool = False  # its first chunk did not fit: it stays at the head of the queue
     short: str = ""  # what a running request found no block for (then it preempted)
     ended: str = ""  # "finished", "preempted" or "aborted"
@@ -240,7 +243,12 @@ class RoundTracer:
         if not full or was_cached:
             return
         work = self._entry(seq)
-        (work.cached if block in self._cache else work.kept_private).append(block)
+        if block in self._cache:
+            work.cached.append(block)
+        elif index and seq.block_table[index - 1] not in self._cache:
+            work.orphans.append(block)
+        else:
+            work.copies.append(block)
 
     def _free(self, real: Callable[[Any], None], seq: Any) -> None:
         table, status = list(seq.block_table), seq.status.name
@@ -342,8 +350,10 @@ def describe_work(w: Work, width: int) -> str:
         parts.append(f"alloc {blocks(w.allocated)}")
     if w.cached:
         parts.append(f"cache {blocks(w.cached)}")
-    if w.kept_private:
-        parts.append(f"full {blocks(w.kept_private)} not cached (the cache has that prefix)")
+    if w.copies:
+        parts.append(f"full {blocks(w.copies)} not cached (the cache has that prefix)")
+    if w.orphans:
+        parts.append(f"full {blocks(w.orphans)} not cached (the block before it is not)")
     if w.waits:
         parts.append("waits (its first chunk does not fit)")
     if w.ended:

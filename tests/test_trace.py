@@ -124,6 +124,23 @@ def test_a_cold_batched_run_adopts_what_the_stats_call_cached(step: ModuleType) 
     assert text.startswith("round 1 ") and "adopt [0]" in text and "no block moves" in text
 
 
+def test_full_blocks_the_cache_refuses_are_named(step: ModuleType) -> None:
+    """A prompt answered twice: the second answer recomputes the prompt's last block, a copy
+    of a cached one, and the output block after it cannot be cached (its parent is not)."""
+    engine = step.PagedPrefixCacheEngine(step.TinyTransformerPaged(tiny_config(block_size=BS)))
+    prompt = list(range(1, 7))  # a block and a half
+    engine.generate([prompt], 3)  # writes positions 0-7: blocks 0 and 1 are cached
+    tracer = RoundTracer(engine)
+    engine.generate([prompt], 8)  # writes 0-12: its own block 1 is a copy, block 2 an orphan
+    work = [w for r in tracer.rounds for w in r.work]
+    copies = [b for w in work for b in w.copies]
+    orphans = [b for w in work for b in w.orphans]
+    assert len(copies) == 1 and len(orphans) == 1
+    text = format_trace(tracer.rounds)
+    assert f"full [{copies[0]}] not cached (the cache has that prefix)" in text
+    assert f"full [{orphans[0]}] not cached (the block before it is not)" in text
+
+
 def test_detach_gives_the_engine_its_own_methods_back(step: ModuleType) -> None:
     engine = step.PagedPrefixCacheEngine(step.TinyTransformerPaged(tiny_config()))
     guard_against_hangs(engine)  # an instance attribute of its own: it must survive
