@@ -10,11 +10,16 @@ the batched engine, which must give the same tokens.
 
 With ``--model DIR`` (a local Hugging Face Llama checkpoint) it serves real text instead:
 ``--prompt`` requests behind a shared ``--system`` prompt (``common/text.py``).
+
+``--trace`` prints one run round by round, every block that moved (``common/trace.py``), and
+``--trace-png FILE`` draws it, blocks x rounds (``common/trace_plot.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import textwrap
 import time
 from collections.abc import Callable
@@ -29,6 +34,7 @@ from .inputs import blocks_for_request
 from .reference import ReferenceModel, reference_generate
 from .steps import load_step
 from .text import add_model_args, run_text
+from .trace import RoundTracer, format_trace, trace_header
 from .workload import demo_prompts
 
 DESCRIPTION = """\
@@ -43,7 +49,18 @@ serves them together. Every round must produce the same tokens as the dense refe
 With --model DIR (a local Hugging Face Llama checkpoint: config.json, *.safetensors,
 tokenizer.json) it serves real text instead: each --prompt behind the shared --system prompt,
 through this step's engine; --seed then has no use, the other flags keep their meaning.
+
+--trace prints a run round by round: each request's work (the cached blocks it adopted, the
+chunk or token it computed, the blocks it allocated, cached and freed, a preemption) and the
+pool after the round, with the ref_count of every block that moved. --trace-png FILE draws the
+same run as a picture, blocks x rounds. The demo traces the batched round (again, after the
+timed rounds); with --model, the run that serves the prompts.
 """
+
+TRACE_ROUNDS = {
+    "batched": "the batched round, cold cache",
+    "small-pool": "the batched round in a small pool",
+}
 
 Generate = Callable[[list[list[int]], int], list[list[int]]]
 
@@ -87,7 +104,29 @@ def parse_args(step_name: str, argv: list[str] | None) -> argparse.Namespace:
         "on a busy machine; a real --model runs faster on more of an idle machine's cores",
     )
     add_model_args(p)
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="print a run round by round: every block each request adopts, allocates, caches "
+        "and frees, and the pool after each round",
+    )
+    p.add_argument(
+        "--trace-png",
+        type=png_path,
+        metavar="FILE",
+        help="draw the traced run as a PNG: blocks x rounds, each cell coloured by what holds "
+        "the block (needs matplotlib: pip install -e '.[plot]')",
+    )
+    p.add_argument(
+        "--trace-round",
+        choices=list(TRACE_ROUNDS),
+        default="batched",
+        help="the demo round that --trace and --trace-png show: batched (a roomy pool: the "
+        "leapfrog through the shared prefix) or small-pool (preemption and eviction)",
+    )
     args = p.parse_args(argv)
+    if args.trace_png is not None and importlib.util.find_spec("matplotlib") is None:
+        p.error("--trace-png needs matplotlib: pip install -e '.[plot]'")
     if args.model is not None:
         return args  # real text: common/text.py checks each request before loading
     if args.system is not None or args.prompt:
@@ -101,6 +140,20 @@ def parse_args(step_name: str, argv: list[str] | None) -> argparse.Namespace:
             f"{need} blocks of {args.block_size} tokens"
         )
     return args
+
+
+def png_path(text: str) -> str:
+    """A file the picture can be written to: its folder exists and is writable."""
+    folder = os.path.dirname(text) or "."
+    if not text:
+        raise argparse.ArgumentTypeError("an empty file name")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file name")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{text!r}: there is no directory {folder!r}")
+    if not os.access(folder, os.W_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot write there")
+    return text
 
 
 def blocks_for_longest_request(block_size: int, max_new_tokens: int) -> int:
@@ -208,8 +261,14 @@ def main(step_name: str, argv: list[str] | None = None) -> int:
     args = parse_args(step_name, argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    tracing = args.trace or args.trace_png is not None
     if args.model is not None:
-        return run_text(step_name, args)
+        tracers: list[RoundTracer] = []  # one, attached before the engine serves anything
+        attach = (lambda engine: tracers.append(RoundTracer(engine))) if tracing else None
+        status = run_text(step_name, args, on_engine=attach)
+        if tracing:
+            show_trace(step_name, "serving the prompts", tracers[0].rounds, args)
+        return status
     step = load_step(step_name)
     cfg = preset(
         "demo",
@@ -225,7 +284,10 @@ def main(step_name: str, argv: list[str] | None = None) -> int:
     print()
     print(what_the_numbers_mean(rounds["cold"][1], rounds["hot"][1], rounds["off"][1]))
     print(what_preemption_cost(rounds["batched"][1], rounds["small_pool"][1][1]))
-    return print_checks(cfg, rounds)
+    status = print_checks(cfg, rounds)
+    if tracing:
+        show_trace(step_name, TRACE_ROUNDS[args.trace_round], traced_round(step, cfg, args), args)
+    return status
 
 
 def banner(step_name: str, cfg: ModelConfig, num_prompts: int, n_new: int) -> str:
@@ -343,3 +405,36 @@ def print_checks(cfg: ModelConfig, rounds: dict[str, Round]) -> int:
     if any(line.endswith(WARNING) for _, line in checks):
         print(REDUCED_PRECISION_NOTE.format(dtype=str(cfg.dtype).removeprefix("torch.")))
     return 0 if all(ok for ok, _ in checks) else 1
+
+
+# ---- --trace and --trace-png ------------------------------------------------------------------
+
+
+def traced_round(step: ModuleType, cfg: ModelConfig, args: argparse.Namespace) -> list[Any]:
+    """The round ``--trace-round`` names, run once more through a traced engine (after the timed
+    rounds, so that tracing costs them nothing): its ``RoundTrace`` records."""
+    if args.trace_round == "small-pool":
+        cfg = cfg.replace(total_blocks=small_pool_blocks(args.block_size, args.max_new_tokens))
+    prompts = demo_prompts(cfg.vocab_size, cfg.block_size)
+    with torch.inference_mode():
+        engine = step.PagedPrefixCacheEngine(
+            step.TinyTransformerPaged(cfg), max_running=args.max_running
+        )
+        tracer = RoundTracer(engine)
+        engine.generate(prompts, args.max_new_tokens)
+    return tracer.rounds
+
+
+def show_trace(step_name: str, what: str, rounds: list[Any], args: argparse.Namespace) -> None:
+    """``--trace``: the rounds as text; ``--trace-png``: the picture."""
+    if args.trace:
+        print()
+        print(trace_header(what, rounds))
+        print()
+        print(format_trace(rounds))
+    if args.trace_png is not None:
+        from .trace_plot import draw_pool  # matplotlib: only when a picture is asked for
+
+        title = f"{step_name}: {what}, max_running={args.max_running}"
+        path = draw_pool(rounds, args.trace_png, title)
+        print(f"\nThe pool, blocks x rounds: {path}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -274,6 +275,7 @@ def generate_text(
     model: torch.nn.Module | None = None,
     eos_token_id: object = None,
     chat_template: bool = True,
+    on_engine: Callable[[Any], object] | None = None,
     **overrides: Any,
 ) -> TextResult:
     """Load ``model_dir`` into ``step``'s model (or use ``model``, loaded from it), serve
@@ -284,7 +286,8 @@ def generate_text(
     ids or after ``max_new_tokens``: ``eos_token_id`` None takes the checkpoint's (all of
     them, when it lists several), an id or a collection of ids replaces them, ``()`` means
     none. ``chat_template=False`` serves plain completions even when the checkpoint has a
-    chat template.
+    chat template. ``on_engine`` is called with the engine before it serves anything
+    (``run.py --trace`` attaches a ``common.trace.RoundTracer`` there).
     """
     prompts = check_prompt_list(prompts)
     step = load_step(step) if isinstance(step, str) else step
@@ -294,7 +297,7 @@ def generate_text(
     )
     if model is None:
         model = step.TinyTransformerPaged.from_pretrained(model_dir, **overrides)
-    return serve(step, model, prompts, requests, max_new_tokens, max_running)
+    return serve(step, model, prompts, requests, max_new_tokens, max_running, on_engine)
 
 
 def serve(
@@ -304,9 +307,12 @@ def serve(
     requests: TextRequests,
     max_new_tokens: int,
     max_running: int,
+    on_engine: Callable[[Any], object] | None = None,
 ) -> TextResult:
     """The checked requests through ``step``'s engine, decoded."""
     engine = step.PagedPrefixCacheEngine(model, max_running=max_running)
+    if on_engine is not None:
+        on_engine(engine)
     eos = frozenset(requests.eos)
     start = time.perf_counter()
     with torch.inference_mode():
@@ -435,20 +441,28 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
-def run_text(step: ModuleType | str, args: argparse.Namespace) -> int:
+def run_text(
+    step: ModuleType | str,
+    args: argparse.Namespace,
+    on_engine: Callable[[Any], object] | None = None,
+) -> int:
     """What ``run.py --model DIR`` does: check, load, serve ``--prompt``s behind ``--system``,
     print. A problem with the checkpoint or a request is one ``error:`` line on stderr and
     exit status 1 (a traceback is left for bugs).
 
     Reads ``args.model``, ``args.prompt``, ``args.system``, ``args.no_chat_template`` and,
     when the parser has them, ``device``, ``dtype``, ``block_size``, ``total_blocks``,
-    ``max_new_tokens``, ``max_running``.
+    ``max_new_tokens``, ``max_running``. ``on_engine``: as in ``generate_text``.
     """
     step = load_step(step) if isinstance(step, str) else step
-    return report_user_errors(f"python -m {step.__name__}.run", lambda: _run_text(step, args))
+    return report_user_errors(
+        f"python -m {step.__name__}.run", lambda: _run_text(step, args, on_engine)
+    )
 
 
-def _run_text(step: ModuleType, args: argparse.Namespace) -> int:
+def _run_text(
+    step: ModuleType, args: argparse.Namespace, on_engine: Callable[[Any], object] | None
+) -> int:
     prompts = args.prompt or ["The capital of France is"]
     max_new_tokens = getattr(args, "max_new_tokens", None) or 32
     overrides = overrides_from(args)
@@ -463,6 +477,6 @@ def _run_text(step: ModuleType, args: argparse.Namespace) -> int:
     if requests.chat_template is not None:
         print(f"  chat template: {requests.chat_template} (--no-chat-template: plain completion)")
     max_running = getattr(args, "max_running", None) or 8
-    result = serve(step, model, prompts, requests, max_new_tokens, max_running)
+    result = serve(step, model, prompts, requests, max_new_tokens, max_running, on_engine)
     print_result(result, args.system)
     return 0

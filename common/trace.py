@@ -1,0 +1,464 @@
+"""Watch the block pool round by round: ``python -m <step>.run --trace`` prints it.
+
+``RoundTracer(engine)`` instruments one engine instance, any step's, from the outside. It wraps
+the methods through which every block moves (the KV cache manager's ``allocate_slots``,
+``cache_blocks`` and ``free``, the scheduler's ``admit``, the prefix cache's ``evict`` and
+``clear``) and the engine's ``step``, which closes each round with a picture of the pool: which
+request holds each block, which blocks the cache holds, and every block's ``ref_count``. The
+engine's code is untouched, and every step records the same trace on the same requests: the
+steps differ in speed, never in what happens to a block.
+
+``format_trace(tracer.rounds)`` reads like the chapter's ref_count walk-through:
+
+    round 1  req 0  new  prefill 0-3  alloc [0]  cache [0]
+             req 1  new  adopt [0]  prefill 4-7  alloc [1]  cache [1]
+             pool: 126 free, 2 in use (2 cached), 0 cached only; refs 0:3 1:2
+
+``common/trace_plot.py`` draws the same records as a picture (blocks x rounds).
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+# Why a request's blocks went back (``KVCacheManager.free``) during a round, by its status: the
+# engine frees a finished request after its last token, and a preempted one right after
+# ``scheduler.preempt()`` marked it. Between rounds, only ``abort`` frees.
+ENDINGS = {"FINISHED": "finished", "PREEMPTED": "preempted"}
+MISSING = object()
+
+
+def restore(obj: Any, name: str, own: Any) -> None:
+    """Put back what ``obj`` had under ``name`` itself (nothing: its class's method shows)."""
+    if own is MISSING:
+        delattr(obj, name)
+    else:
+        setattr(obj, name, own)
+
+
+@dataclass
+class Work:
+    """What one request did in one round, in the order it happened."""
+
+    seq_id: int
+    new: bool = False  # admitted this round, for the first time
+    resumed: bool = False  # admitted this round after a preemption
+    kind: str = ""  # "prefill" or "decode" ("" when nothing was scheduled for it)
+    start: int = 0  # the tokens it computed: [start, end); a decode token is at end - 1
+    end: int = 0
+    last_chunk: bool = False  # a prefill chunk that ends the prefill: the next token comes
+    adopted: list[int] = field(default_factory=list)  # cached blocks it took (retain: +1)
+    allocated: list[int] = field(default_factory=list)  # fresh blocks from the pool
+    evicted: list[int] = field(default_factory=list)  # cache-only blocks evicted to give them
+    cached: list[int] = field(default_factory=list)  # blocks it filled that the cache took
+    # Full blocks the cache did not take: a copy of a block it holds under the same hash, or
+    # a block whose parent (the block before it) is not cached, which no lookup could reach.
+    copies: list[int] = field(default_factory=list)
+    orphans: list[int] = field(default_factory=list)
+    waits: bool = False  # its first chunk did not fit: it stays at the head of the queue
+    short: str = ""  # what a running request found no block for (then it preempted)
+    ended: str = ""  # "finished", "preempted" or "aborted"
+    preempted_for: int | None = None  # the request that needed its blocks
+    freed: list[int] = field(default_factory=list)  # its blocks that went back to the pool
+    stay_cached: list[int] = field(default_factory=list)  # its blocks the cache keeps
+
+    @property
+    def quiet(self) -> bool:
+        """A plain decode step: one token into a block it already had, nothing moved."""
+        return self == Work(self.seq_id, kind="decode", start=self.start, end=self.end)
+
+    @property
+    def still(self) -> bool:
+        """Nothing moved: a plain decode step, or a queued request that still does not fit."""
+        return self.quiet or self == Work(self.seq_id, waits=True)
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The pool at the end of a round."""
+
+    total: int
+    block_size: int
+    free: int
+    cached: tuple[int, ...]  # block ids the prefix cache holds
+    holders: dict[int, tuple[int, ...]]  # block id -> the running requests that hold it
+    ref_counts: dict[int, int]  # block id -> ref_count, for every block that is not free
+
+    @property
+    def in_use(self) -> int:
+        """Blocks that at least one request holds (the cache may hold them too)."""
+        return len(self.holders)
+
+    @property
+    def cached_only(self) -> list[int]:
+        """Blocks only the cache holds (ref_count 1): evictable."""
+        return [b for b in self.cached if b not in self.holders]
+
+    def problems(self) -> list[str]:
+        """Where the books do not balance: ref_count = requests holding it + the cache."""
+        problems = []
+        for block in sorted(set(self.ref_counts) | set(self.holders) | set(self.cached)):
+            owners = len(self.holders.get(block, ())) + (block in self.cached)
+            if self.ref_counts.get(block, 0) != owners:
+                problems.append(
+                    f"block {block}: ref_count {self.ref_counts.get(block, 0)}, but {owners} owners"
+                )
+        if self.free + self.in_use + len(self.cached_only) != self.total:
+            problems.append(
+                f"free {self.free} + in use {self.in_use} + cached only "
+                f"{len(self.cached_only)} != total {self.total}"
+            )
+        return problems
+
+
+@dataclass
+class RoundTrace:
+    """One round (``engine.step()``), or what happened between two rounds (an abort, a reset
+    of the prefix cache): the requests' work, oldest first, and the pool after it."""
+
+    number: int  # the traced engine's round, from 1; between rounds: the round before
+    work: list[Work]
+    pool: Pool
+    between: bool = False  # an abort or a reset, outside any round
+    cleared: list[int] = field(default_factory=list)  # reset_prefix_cache: these went free
+
+    @property
+    def evicted(self) -> list[int]:
+        return [b for w in self.work for b in w.evicted]
+
+    @property
+    def preempted(self) -> list[int]:
+        return [w.seq_id for w in self.work if w.ended == "preempted"]
+
+    @property
+    def touched(self) -> list[int]:
+        """Every block that moved this round, in the order it first did."""
+        blocks = [
+            b
+            for w in self.work
+            for group in (w.adopted, w.evicted, w.allocated, w.cached, w.freed, w.stay_cached)
+            for b in group
+        ]
+        return list(dict.fromkeys(blocks + self.cleared))
+
+    @property
+    def still(self) -> bool:
+        """Only plain decode steps and requests that still wait: not a block moved."""
+        return not self.between and bool(self.work) and all(w.still for w in self.work)
+
+
+class RoundTracer:
+    """Records every round of one engine; ``rounds`` holds them. ``detach()`` puts the
+    engine's own methods back."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.rounds: list[RoundTrace] = []
+        self._kvm = engine.kv_cache_manager
+        self._cache = self._kvm.prefix_cache  # None with the prefix cache off
+        self._block_size = self._kvm.block_size
+        self._number = 0  # rounds so far
+        self._in_round = False
+        self._work: dict[int, Work] = {}  # this round's, by request id, in order of appearance
+        self._allocating: Work | None = None  # whose allocation an eviction serves
+        self._short_of_blocks: Any = None  # the request whose allocation failed last
+        self._patched: list[tuple[Any, str, Any]] = []  # (object, name, its own attribute)
+        self._patch(engine, "step", self._step)
+        self._patch(self._kvm, "allocate_slots", self._allocate_slots)
+        self._patch(self._kvm, "cache_blocks", self._cache_blocks)
+        self._patch(self._kvm, "free", self._free)
+        self._patch(engine.scheduler, "admit", self._admit)
+        if self._cache is not None:
+            self._patch(self._cache, "evict", self._evict)
+            self._patch(self._cache, "clear", self._clear)
+
+    def detach(self) -> None:
+        for obj, name, own in reversed(self._patched):
+            restore(obj, name, own)
+        self._patched.clear()
+
+    def _patch(self, obj: Any, name: str, wrapper: Callable[..., Any]) -> None:
+        real = getattr(obj, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return wrapper(real, *args, **kwargs)
+
+        self._patched.append((obj, name, vars(obj).get(name, MISSING)))
+        setattr(obj, name, call)
+
+    # ---- the wrappers -----------------------------------------------------------------------
+
+    def _step(self, real: Callable[[], None]) -> None:
+        self._number += 1
+        self._in_round = True
+        try:
+            real()
+        finally:
+            self._in_round = False
+            self._close()
+
+    def _admit(self, real: Callable[[Any], None], seq: Any) -> None:
+        real(seq)
+        work = self._entry(seq)
+        work.resumed = seq.num_preemptions > 0
+        work.new = not work.resumed
+
+    def _allocate_slots(
+        self, real: Callable[..., bool], seq: Any, num_tokens: int, computed_blocks: Any = None
+    ) -> bool:
+        work = self._entry(seq)
+        status, before = seq.status.name, len(seq.block_table)
+        self._allocating = work
+        try:
+            ok = real(seq, num_tokens, computed_blocks)
+        finally:
+            self._allocating = None
+        if not ok:
+            if status in ("WAITING", "PREEMPTED"):
+                work.waits = True  # a queued request does not preempt: it waits
+            else:  # the engine now preempts the youngest running request
+                self._short_of_blocks = seq
+                work.short = "its next token" if status == "RUNNING" else "its next chunk"
+            return ok
+        adopted = list(computed_blocks or [])
+        work.adopted += adopted
+        work.allocated += seq.block_table[before + len(adopted) :]
+        work.end = num_tokens
+        if status == "RUNNING":
+            work.kind, work.start = "decode", num_tokens - 1
+        else:  # prefill is block-aligned: the chunk starts after the blocks it now holds
+            work.kind, work.start = "prefill", (before + len(adopted)) * self._block_size
+            work.last_chunk = num_tokens >= seq.num_tokens
+        return ok
+
+    def _cache_blocks(self, real: Callable[..., None], seq: Any, num_tokens: int) -> None:
+        index = num_tokens // self._block_size - 1
+        full = self._cache is not None and num_tokens % self._block_size == 0
+        block = seq.block_table[index] if full else None
+        was_cached = full and block in self._cache
+        real(seq, num_tokens)
+        if not full or was_cached:
+            return
+        work = self._entry(seq)
+        if block in self._cache:
+            work.cached.append(block)
+        elif index and seq.block_table[index - 1] not in self._cache:
+            work.orphans.append(block)
+        else:
+            work.copies.append(block)
+
+    def _free(self, real: Callable[[Any], None], seq: Any) -> None:
+        table, status = list(seq.block_table), seq.status.name
+        real(seq)
+        work = self._entry(seq)
+        work.ended = ENDINGS[status] if self._in_round else "aborted"
+        if work.ended == "preempted":
+            work.preempted_for = getattr(self._short_of_blocks, "seq_id", None)
+        bm = self._kvm.block_manager
+        work.freed = [b for b in table if bm.ref_count(b) == 0]
+        work.stay_cached = [b for b in table if bm.ref_count(b) > 0]
+        if not self._in_round:
+            self._close(between=True)
+
+    def _evict(self, real: Callable[[int], None], n: int) -> None:
+        bm = self._kvm.block_manager
+        evicted: list[int] = []
+        real_free, own = bm.free, vars(bm).get("free", MISSING)
+
+        def free(block_ids: list[int]) -> None:  # the cache gives up its blocks one by one
+            evicted.extend(block_ids)
+            real_free(block_ids)
+
+        bm.free = free
+        try:
+            real(n)
+        finally:
+            restore(bm, "free", own)
+        if self._allocating is not None:
+            self._allocating.evicted += evicted
+
+    def _clear(self, real: Callable[[], None]) -> None:
+        cleared = self._cached_blocks()
+        real()
+        self._close(between=not self._in_round, cleared=cleared)
+
+    # ---- the records ------------------------------------------------------------------------
+
+    def _entry(self, seq: Any) -> Work:
+        if seq.seq_id not in self._work:
+            self._work[seq.seq_id] = Work(seq.seq_id)
+        return self._work[seq.seq_id]
+
+    def _cached_blocks(self) -> tuple[int, ...]:
+        if self._cache is None:
+            return ()
+        return tuple(b for b in range(self._kvm.block_manager.total_blocks) if b in self._cache)
+
+    def snapshot(self) -> Pool:
+        """The pool now: free blocks, cached blocks, who holds what, every ref_count."""
+        bm = self._kvm.block_manager
+        holders: dict[int, list[int]] = {}
+        for seq in [*self.engine.scheduler.running, *self.engine.scheduler.waiting]:
+            for block in seq.block_table:
+                holders.setdefault(block, []).append(seq.seq_id)
+        refs = {b: bm.ref_count(b) for b in range(bm.total_blocks) if bm.ref_count(b)}
+        return Pool(
+            bm.total_blocks,
+            self._block_size,
+            bm.num_free,
+            self._cached_blocks(),
+            {b: tuple(ids) for b, ids in sorted(holders.items())},
+            refs,
+        )
+
+    def _close(self, between: bool = False, cleared: tuple[int, ...] = ()) -> None:
+        self.rounds.append(
+            RoundTrace(self._number, list(self._work.values()), self.snapshot(), between)
+        )
+        self.rounds[-1].cleared = list(cleared)
+        self._work = {}
+        self._short_of_blocks = None
+
+
+# ---- the text -----------------------------------------------------------------------------------
+
+
+def blocks(ids: list[int]) -> str:
+    return "[" + " ".join(map(str, ids)) + "]"
+
+
+def describe_work(w: Work, width: int) -> str:
+    """One request's round on one line, in the order things happened."""
+    parts = [f"req {w.seq_id:<{width}}"]
+    if w.new or w.resumed:
+        parts.append("new" if w.new else "resumed")
+    if w.adopted:
+        parts.append(f"adopt {blocks(w.adopted)}")
+    if w.kind == "prefill":
+        span = f"{w.start}-{w.end - 1}" if w.end - w.start > 1 else str(w.start)
+        parts.append(f"prefill {span}" + (" (last chunk)" if w.last_chunk else ""))
+    elif w.kind == "decode":
+        parts.append(f"decode @{w.start}")
+    if w.short and not w.allocated:
+        parts.append(f"no block for {w.short}")
+    if w.evicted:
+        parts.append(f"evict {blocks(w.evicted)}")
+    if w.allocated:
+        parts.append(f"alloc {blocks(w.allocated)}")
+    if w.cached:
+        parts.append(f"cache {blocks(w.cached)}")
+    if w.copies:
+        parts.append(f"full {blocks(w.copies)} not cached (the cache has that prefix)")
+    if w.orphans:
+        parts.append(f"full {blocks(w.orphans)} not cached (the block before it is not)")
+    if w.waits:
+        parts.append("waits (its first chunk does not fit)")
+    if w.ended:
+        why = w.ended
+        if w.ended == "preempted" and w.preempted_for is not None:
+            why += " itself" if w.preempted_for == w.seq_id else f" for req {w.preempted_for}"
+        gone = f"frees {blocks(w.freed)}" if w.freed else "frees nothing"
+        kept = f", {blocks(w.stay_cached)} stay cached" if w.stay_cached else ""
+        parts.append(f"{why}: {gone}{kept}")
+    return "  ".join(parts)
+
+
+def describe_still(work: list[Work], width: int, rounds: int = 1) -> str:
+    """Requests that moved no block, on one line: the plain decode steps, then the requests
+    that still wait; ``rounds``: how many rounds in a row they did just that."""
+    decoding = " ".join(str(w.seq_id) for w in work if w.quiet)
+    parts = []
+    if decoding:
+        each = " each" if " " in decoding else ""
+        parts.append(
+            f"req {decoding:<{width}}  decode"
+            + (f", a token a round{each}" if rounds > 1 else (f", a token{each}" if each else ""))
+        )
+    parts += [f"req {w.seq_id:<{width}}  waits" for w in work if w.waits]
+    return "; ".join(parts)
+
+
+def describe_pool(pool: Pool, touched: list[int]) -> str:
+    """free + in use + cached only (they add up to the pool), and the ref_count of every block
+    that moved: the requests holding it, + 1 if the cache holds it."""
+    in_use_cached = sum(b in pool.holders for b in pool.cached)
+    refs = " ".join(f"{b}:{pool.ref_counts.get(b, 0)}" for b in sorted(touched))
+    line = (
+        f"pool: {pool.free} free, {pool.in_use} in use ({in_use_cached} cached), "
+        f"{len(pool.cached_only)} cached only"
+    )
+    return f"{line}; refs {refs}" if refs else line
+
+
+def describe_round(r: RoundTrace, width: int) -> list[str]:
+    """The requests that moved blocks, one line each in the order they did; the plain decode
+    steps together on one line, where the first of them ran; then the pool."""
+    lines, still = [], [w for w in r.work if w.quiet]
+    for w in r.work:
+        if not w.quiet:
+            lines.append(describe_work(w, width))
+        elif w is still[0]:
+            lines.append(describe_still(still, width))
+    if r.cleared:
+        lines.append(f"prefix cache reset: {blocks(r.cleared)} back to the free pool")
+    return [*lines, describe_pool(r.pool, r.touched)]
+
+
+def still_runs(rounds: list[RoundTrace]) -> Iterator[list[RoundTrace]]:
+    """The rounds one by one, except that consecutive rounds in which no block moved, with the
+    same requests doing the same, go together."""
+    run: list[RoundTrace] = []
+    for r in rounds:
+        if run and not (r.still and run[0].still and same_work(r, run[0])):
+            yield run
+            run = []
+        run.append(r)
+    if run:
+        yield run
+
+
+def same_work(a: RoundTrace, b: RoundTrace) -> bool:
+    return [(w.seq_id, w.waits) for w in a.work] == [(w.seq_id, w.waits) for w in b.work]
+
+
+def label(run: list[RoundTrace]) -> str:
+    first, last = run[0], run[-1]
+    if first.between:
+        return f"after {first.number}" if first.number else "at start"
+    return f"round {first.number}" if first is last else f"rounds {first.number}-{last.number}"
+
+
+def format_trace(rounds: list[RoundTrace]) -> str:
+    """The trace as text. Each round: its number, then one line per request that moved a
+    block, one line for all the plain decode steps, and the pool after the round. Consecutive
+    rounds in which no block moved take one line."""
+    width = max((len(str(w.seq_id)) for r in rounds for w in r.work), default=1)
+    runs = list(still_runs(rounds))
+    column = max((len(label(run)) for run in runs), default=0) + 2
+    out = []
+    for run in runs:
+        if run[0].still:
+            what = describe_still(run[0].work, width, len(run))
+            out.append(f"{label(run):<{column}}{what}; no block moves")
+            continue
+        lines = describe_round(run[0], width)
+        out.append(f"{label(run):<{column}}{lines[0]}")
+        out += [" " * column + line for line in lines[1:]]
+    return "\n".join(out)
+
+
+def trace_header(what: str, rounds: list[RoundTrace]) -> str:
+    """What the trace shows and how to read it, wrapped."""
+    total, block_size = (rounds[0].pool.total, rounds[0].pool.block_size) if rounds else (0, 0)
+    return textwrap.fill(
+        f"Trace of {what}: {len(rounds)} rounds, a pool of {total} blocks of {block_size} "
+        f"tokens. Per round, each request's work (adopt: cached blocks it takes, ref_count +1; "
+        f"alloc: fresh blocks from the pool, ref_count 1; cache: blocks it filled that the "
+        f"cache takes, +1; frees: blocks back in the free pool), then the pool after the round: "
+        f"free + in use + cached only = {total}, and the ref_count of every block that moved "
+        f"(the requests holding it, + 1 if the cache does).",
+        width=100,
+    )

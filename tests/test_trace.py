@@ -1,0 +1,291 @@
+"""The round-by-round trace (``common/trace.py``, ``run.py --trace``) and its picture
+(``common/trace_plot.py``, ``run.py --trace-png FILE``).
+
+The trace watches an engine from outside, so it must tell what the engine did: the blocks it
+adopted are the tokens the stats call cached, the pool adds up after every round, every
+ref_count is the requests holding the block plus the cache. And since every step moves the same
+blocks, every step records the same trace. The demo prints it and draws it; a bad picture path
+stops the demo before any work, with one error line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+import re
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from common import demo
+from common.config import preset
+from common.steps import load_step
+from common.trace import RoundTrace, RoundTracer, format_trace
+from common.workload import demo_prompts
+from tests.conftest import STEP_NAMES, guard_against_hangs, tiny_config
+
+ROOT = Path(__file__).resolve().parent.parent
+BS = 4
+POOL_LINE = re.compile(
+    r"pool: (?P<free>\d+) free, (?P<in_use>\d+) in use \(\d+ cached\), (?P<only>\d+) cached only"
+)
+
+
+def shared_prefix_prompts(seed: int, n: int = 7) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(1, 512) for _ in range(3 * BS)]
+    return [prefix + [rng.randrange(1, 512) for _ in range(rng.randint(0, 6))] for _ in range(n)]
+
+
+def traced(step: ModuleType, total_blocks: int, seed: int = 0) -> tuple[list[RoundTrace], object]:
+    """A batch of requests behind a shared prefix, an abort, more requests, a reset at rest,
+    and one more request: every kind of block movement the trace knows, in a pool of
+    ``total_blocks``. Returns the records and the engine's stats."""
+    cfg = tiny_config(block_size=BS, total_blocks=total_blocks)
+    engine = step.PagedPrefixCacheEngine(step.TinyTransformerPaged(cfg), max_running=4)
+    guard_against_hangs(engine)
+    tracer = RoundTracer(engine)
+    prompts = shared_prefix_prompts(seed)
+    ids = [engine.add_request(p, 7) for p in prompts[:5]]
+    for _ in range(4):
+        engine.step()
+    engine.abort(ids[1])
+    ids += [engine.add_request(p, 5) for p in prompts[5:]]
+    while engine.has_work:
+        engine.step()
+    assert engine.reset_prefix_cache()
+    engine.generate([prompts[0]], 3)
+    tracer.detach()
+    assert engine.ref_count_problems() == []
+    return tracer.rounds, engine.stats
+
+
+@cache
+def first_step_trace(total_blocks: int) -> tuple[list[RoundTrace], object]:
+    return traced(load_step(STEP_NAMES[0]), total_blocks)
+
+
+@pytest.mark.parametrize("total_blocks", [64, 9])
+def test_every_step_records_the_same_trace(step: ModuleType, total_blocks: int) -> None:
+    """Roomy and tight (preemptions, evictions): the records, the text and the stats."""
+    rounds, stats = traced(step, total_blocks)
+    first_rounds, first_stats = first_step_trace(total_blocks)
+    assert format_trace(rounds) == format_trace(first_rounds)
+    assert rounds == first_rounds
+    assert stats == first_stats
+
+
+def test_the_tight_scenario_moves_blocks_every_way() -> None:
+    rounds, stats = first_step_trace(9)
+    work = [w for r in rounds for w in r.work]
+    assert stats.preemptions > 0 and stats.evictions > 0
+    assert {w.ended for w in work} == {"", "finished", "preempted", "aborted"}
+    assert any(w.resumed for w in work) and any(w.waits for w in work)
+    assert any(r.cleared for r in rounds)
+
+
+@pytest.mark.parametrize("total_blocks", [64, 9])
+def test_the_trace_tells_what_the_engine_did(total_blocks: int) -> None:
+    rounds, stats = first_step_trace(total_blocks)
+    work = [w for r in rounds for w in r.work]
+    assert sum(w.end - w.start for w in work if w.kind == "prefill") == (
+        stats.computed_prefill_tokens
+    )
+    assert sum(w.kind == "decode" for w in work) == stats.computed_decode_tokens
+    assert sum(w.ended == "preempted" for w in work) == stats.preemptions
+    assert sum(len(w.evicted) for w in work) == stats.evictions
+    for r in rounds:
+        assert r.pool.problems() == [], f"round {r.number}"  # ref_count = holders + cache
+        allocated = {b for w in r.work for b in w.allocated}
+        for w in r.work:
+            assert set(w.adopted) <= set(r.pool.cached) | set(r.evicted)  # adopted: cached
+            assert all(b not in r.pool.ref_counts or b in allocated for b in w.freed)
+        for line in POOL_LINE.finditer(format_trace([r])):
+            assert sum(int(n) for n in line.groups()) == r.pool.total
+    last = rounds[-1].pool
+    assert (last.free, len(last.cached)) == (stats.blocks_free, stats.blocks_cached)
+
+
+def test_a_cold_batched_run_adopts_what_the_stats_call_cached(step: ModuleType) -> None:
+    """The chapter's demo requests (block_size 4): every adopted block is prompt the cache
+    served, and every block the trace says was cached is in the cache when the round ends."""
+    cfg = tiny_config(block_size=BS, total_blocks=128)
+    engine = step.PagedPrefixCacheEngine(step.TinyTransformerPaged(cfg), max_running=4)
+    tracer = RoundTracer(engine)
+    engine.generate(demo_prompts(cfg.vocab_size, BS), 6)
+    adopted = [b for r in tracer.rounds for w in r.work for b in w.adopted]
+    assert len(adopted) * BS == engine.stats.cached_tokens > 0
+    for r in tracer.rounds:
+        cached_now = {b for w in r.work for b in w.cached}
+        assert cached_now <= set(r.pool.cached)
+    text = format_trace(tracer.rounds)
+    assert text.startswith("round 1 ") and "adopt [0]" in text and "no block moves" in text
+
+
+def test_full_blocks_the_cache_refuses_are_named(step: ModuleType) -> None:
+    """A prompt answered twice: the second answer recomputes the prompt's last block, a copy
+    of a cached one, and the output block after it cannot be cached (its parent is not)."""
+    engine = step.PagedPrefixCacheEngine(step.TinyTransformerPaged(tiny_config(block_size=BS)))
+    prompt = list(range(1, 7))  # a block and a half
+    engine.generate([prompt], 3)  # writes positions 0-7: blocks 0 and 1 are cached
+    tracer = RoundTracer(engine)
+    engine.generate([prompt], 8)  # writes 0-12: its own block 1 is a copy, block 2 an orphan
+    work = [w for r in tracer.rounds for w in r.work]
+    copies = [b for w in work for b in w.copies]
+    orphans = [b for w in work for b in w.orphans]
+    assert len(copies) == 1 and len(orphans) == 1
+    text = format_trace(tracer.rounds)
+    assert f"full [{copies[0]}] not cached (the cache has that prefix)" in text
+    assert f"full [{orphans[0]}] not cached (the block before it is not)" in text
+
+
+def test_detach_gives_the_engine_its_own_methods_back(step: ModuleType) -> None:
+    engine = step.PagedPrefixCacheEngine(step.TinyTransformerPaged(tiny_config()))
+    guard_against_hangs(engine)  # an instance attribute of its own: it must survive
+    guarded = engine.step
+    tracer = RoundTracer(engine)
+    tracer.detach()
+    assert engine.step is guarded
+    for obj in (engine.kv_cache_manager, engine.scheduler, engine.kv_cache_manager.prefix_cache):
+        assert not {"allocate_slots", "cache_blocks", "free", "admit", "evict", "clear"} & set(
+            vars(obj)
+        )
+
+
+# ---- the demo: --trace, --trace-png --------------------------------------------------------
+
+
+def run_demo(argv: list[str], capsys: pytest.CaptureFixture) -> str:
+    run = importlib.import_module(f"{STEP_NAMES[-1]}.run")
+    assert run.main(argv) == 0
+    return capsys.readouterr().out
+
+
+def test_the_demo_prints_and_draws_the_batched_round(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "pool.png"
+    out = run_demo(["--max-new-tokens", "3", "--trace", "--trace-png", str(png)], capsys)
+    assert "Trace of the batched round, cold cache:" in out
+    trace = out[out.index("\nround 1 ") :]
+    assert "req 3  new  adopt [0 1 2]" in trace  # the leapfrog, in round 1
+    assert f"The pool, blocks x rounds: {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_the_demo_traces_the_small_pool_round(capsys) -> None:
+    out = run_demo(["--max-new-tokens", "4", "--trace", "--trace-round", "small-pool"], capsys)
+    assert "Trace of the batched round in a small pool:" in out
+    assert "preempted" in out and "resumed" in out
+
+
+def test_the_traced_demo_round_is_the_timed_one() -> None:
+    """The demo traces its batched round again, after the timed rounds: the same work."""
+    step = load_step(STEP_NAMES[-1])
+    args = demo.parse_args(STEP_NAMES[-1], ["--max-new-tokens", "4"])
+    cfg = preset("demo", block_size=args.block_size, total_blocks=args.total_blocks)
+    rounds = demo.traced_round(step, cfg, args)
+    engine = step.PagedPrefixCacheEngine(step.TinyTransformerPaged(cfg), max_running=4)
+    engine.generate(demo_prompts(cfg.vocab_size, cfg.block_size), 4)
+    adopted = sum(len(w.adopted) for r in rounds for w in r.work)
+    assert adopted * cfg.block_size == engine.stats.cached_tokens
+    assert len(rounds) == engine.stats.rounds
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("no/such/dir/pool.png", "there is no directory"),
+        (".", "is a directory"),
+    ],
+)
+def test_a_bad_trace_png_stops_the_demo_at_once(
+    path: str, message: str, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(demo, "load_step", lambda name: pytest.fail("work started"))
+    run = importlib.import_module(f"{STEP_NAMES[0]}.run")
+    with pytest.raises(SystemExit) as exit_info:
+        run.main(["--trace-png", path])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if "error:" in line]
+    assert captured.out == "" and len(errors) == 1 and message in errors[0], captured.err
+
+
+def test_trace_png_without_matplotlib_says_how_to_get_it(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "matplotlib" else real_find_spec(name, *args),
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        demo.parse_args(STEP_NAMES[0], ["--trace-png", str(tmp_path / "pool.png")])
+    assert exit_info.value.code == 2
+    (error,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert "pip install -e '.[plot]'" in error
+
+
+# ---- the text front end -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def toy_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama checkpoint with a word-level tokenizer (as tests/test_readme.py makes)."""
+    for package in ("transformers", "safetensors", "tokenizers"):
+        pytest.importorskip(package)
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    from common.hf import hf_llama
+
+    words = "<unk> <s> </s> the capital of france is water boils at you are a concise assistant"
+    vocab = {word: i for i, word in enumerate(words.split())}
+    folder = tmp_path_factory.mktemp("toy-llama")
+    hf_llama(preset("tiny", vocab_size=len(vocab))).save_pretrained(folder)
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_the_text_front_end_traces_its_run(toy_checkpoint: Path, tmp_path: Path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "text.png"
+    system = "you are a concise assistant you are a concise assistant"
+    argv = ["--model", str(toy_checkpoint), "--block-size", "4", "--system", system]
+    argv += ["--prompt", "the capital of france is", "--prompt", "water boils at"]
+    out = run_demo([*argv, "--max-new-tokens", "4", "--trace", "--trace-png", str(png)], capsys)
+    assert "Trace of serving the prompts:" in out
+    assert "req 1  new  adopt [0" in out  # the system prompt's blocks, shared
+    assert png.stat().st_size > 0
+
+
+# ---- step14's README ------------------------------------------------------------------------
+
+
+def test_step14_readme_shows_the_picture_and_the_command_that_made_it() -> None:
+    text = (ROOT / "step14" / "README.md").read_text()
+    picture = re.search(r"!\[[^\]]*\]\(\.\./(docs/[\w.-]+\.png)\)", text)
+    assert picture, "step14's README shows the pool picture"
+    assert (ROOT / picture.group(1)).stat().st_size > 10_000
+    assert f"python -m step14.run --trace --trace-png {picture.group(1)}" in text
+
+
+def test_step14_readme_trace_excerpts_are_real_output() -> None:
+    """The trace excerpts in step14's README are what ``--trace`` prints today: of the batched
+    round, and of the small-pool round."""
+    text = (ROOT / "step14" / "README.md").read_text()
+    section = text[text.index("## Watching the pool") :]
+    excerpts = re.findall(r"^```\n(round \d+ .*?)^```$", section, re.DOTALL | re.MULTILINE)
+    assert len(excerpts) == 2, "the batched round, then the small-pool round"
+    step = load_step(STEP_NAMES[-1])
+    for excerpt, which in zip(excerpts, ["batched", "small-pool"], strict=True):
+        args = demo.parse_args(STEP_NAMES[-1], ["--trace-round", which])
+        cfg = preset("demo", block_size=args.block_size, total_blocks=args.total_blocks)
+        trace = format_trace(demo.traced_round(step, cfg, args)).splitlines()
+        lines = [line for line in excerpt.splitlines() if line != "..."]
+        assert [line for line in lines if line not in trace] == [], which
