@@ -36,8 +36,27 @@ def test_demo_prints_the_chapter_figures(step_name: str, capsys: pytest.CaptureF
     assert by_label["Round 1 (cold cache), serial"]["hit"] == "90% (9/10)"
     assert by_label["Round 2 (hot cache), serial"]["hit"] == "100% (10/10)"
     assert by_label["Round 3 (cache off), serial"]["hit"] == "0% (0/10)"
-    assert any(label.startswith("Batched") for label in by_label)
-    assert out.count("✅") == 4 and "❌" not in out
+    assert any(label.startswith("Batched (max_running") for label in by_label)
+    assert out.count("✅") == 5 and "❌" not in out
+
+
+@pytest.mark.parametrize("step_name", STEP_NAMES)
+def test_demo_small_pool_round_preempts_and_loses_nothing(
+    step_name: str, capsys: pytest.CaptureFixture
+) -> None:
+    """The last round runs the batched requests again in a pool too small for them: it must
+    preempt (the default demo, 16 new tokens, in every step alike), say what that cost, and
+    still give the reference's tokens."""
+    out = demo_output(step_name, capsys, new_tokens=16)
+    pool = demo.small_pool_blocks(16, 16)
+    line = re.search(rf"Batched, {pool}-block pool .*\n\s+(\d+) preemptions?, (\d+) tokens", out)
+    assert line is not None, out
+    preemptions, resumed = int(line[1]), int(line[2])
+    assert preemptions > 0 and resumed > 0
+    check = f"Small pool: outputs identical to the reference ({preemptions} preemptions) ✅"
+    assert check in out
+    cost = out[out.index("In the small pool") :].split("\n\n")[0].replace("\n", " ")
+    assert f"{preemptions} preemptions cost" in cost and f"{resumed} tokens came back" in cost
 
 
 @pytest.mark.parametrize("step_name", [STEP_NAMES[0], STEP_NAMES[-1]])
@@ -46,7 +65,8 @@ def test_demo_counts_the_tokens_it_computed(step_name: str, capsys) -> None:
     the cache) and how many it decoded; the cache-off round computes the whole prompt."""
     out = demo_output(step_name, capsys, new_tokens=3)
     by_label = rounds(out)
-    assert len(by_label) == 4
+    assert len(by_label) == 5
+    del by_label[f"Batched, {demo.small_pool_blocks(16, 3)}-block pool"]  # recomputes output
     for line in by_label.values():
         assert int(line["prefill"]) == int(line["prompt"]) - int(line["cached"])
         assert int(line["decode"]) == 10 * (3 - 1)  # the first new token comes from prefill
