@@ -263,12 +263,7 @@ def main(step_name: str, argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     tracing = args.trace or args.trace_png is not None
     if args.model is not None:
-        tracers: list[RoundTracer] = []  # one, attached before the engine serves anything
-        attach = (lambda engine: tracers.append(RoundTracer(engine))) if tracing else None
-        status = run_text(step_name, args, on_engine=attach)
-        if tracing:
-            show_trace(step_name, "serving the prompts", tracers[0].rounds, args)
-        return status
+        return serve_text(step_name, args, tracing)
     step = load_step(step_name)
     cfg = preset(
         "demo",
@@ -287,6 +282,16 @@ def main(step_name: str, argv: list[str] | None = None) -> int:
     status = print_checks(cfg, rounds)
     if tracing:
         show_trace(step_name, TRACE_ROUNDS[args.trace_round], traced_round(step, cfg, args), args)
+    return status
+
+
+def serve_text(step_name: str, args: argparse.Namespace, tracing: bool) -> int:
+    """``--model DIR``: real text through the step's engine, traced on request."""
+    tracers: list[RoundTracer] = []  # one, attached before the engine serves anything
+    attach = (lambda engine: tracers.append(RoundTracer(engine))) if tracing else None
+    status = run_text(step_name, args, on_engine=attach)
+    if tracers and status == 0:
+        show_trace(step_name, "serving the prompts", tracers[0].rounds, args)
     return status
 
 
