@@ -167,7 +167,7 @@ def showcase(engine) -> list[list[int]]:
 
 
 def early_eos(engine) -> list[list[int]]:
-    """Requests that stop at an eos part-way: the reservation they leave unused goes back, and
+    """Requests that stop at an eos part-way: they never take the blocks they did not need, and
     their partly filled output blocks are never cached. The eos is a token the reference
     produces, so that some requests really do stop early."""
     prompts = shared_prefix_prompts(6, 2 * BS + 1, 3, CFG.vocab_size, seed=13)
