@@ -4,9 +4,9 @@ There is no ``past_key_values``: ``forward`` writes the chunk's K/V into ``kv_po
 ``kv_pool_v`` at the slots its ``block_table`` names, then reads the whole context back through
 the same table. Which physical blocks hold a sequence is invisible to the math.
 
-step14 writes each helper the plain way (Python loops over tokens, blocks, heads and mask rows);
-steps 14_1 to 14_4 replace them one at a time, and step14_7 adds ``forward_batched``. Which of
-them this copy has, its README says.
+The chapter's engine writes each helper the plain way (Python loops over tokens, blocks, heads
+and mask rows); steps 14_1 to 14_4 replace them one at a time, and 14_7 adds
+``forward_batched``. Which of them this copy has, its README says.
 """
 
 from __future__ import annotations
