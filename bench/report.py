@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from common.config import ModelConfig
+from common.inputs import blocks_for_request
 
 from .costs import MATMUL_N, MIB, dense_kv_bytes, paged_kv_bytes
 from .harness import RunResult, Workload
@@ -40,9 +41,7 @@ def header(
     machine's matmul rate, the yardstick of the GFLOP/s column."""
     threads = plural(torch.get_num_threads(), "thread")
     return (
-        f"{workload.num_requests} requests: a {workload.prefix_len}-token shared prefix + "
-        f"{workload.tail_len} own tokens each, {workload.max_new_tokens} new tokens, "
-        f"max_running={workload.max_running}\nmodel {model}: d_model={cfg.d_model}, "
+        f"{workload.describe()}\nmodel {model}: d_model={cfg.d_model}, "
         f"{cfg.num_layers} layers, {cfg.num_heads} heads, vocab {cfg.vocab_size}, "
         f"block_size={cfg.block_size}, {cfg.total_blocks} blocks, {cfg.device}, "
         f"{dtype_name(cfg)}; torch {torch.__version__}, {threads}\n"
@@ -69,6 +68,16 @@ def _computed(result: RunResult) -> str:
     return f"{result.computed_prefill_tokens} + {result.computed_decode_tokens}"
 
 
+def _per_round(result: RunResult) -> str:
+    """Requests a round ran, on average; "-" for a row without an engine (HF)."""
+    return f"{result.seqs_per_round:.2f}" if result.rounds else "-"
+
+
+def _preemptions(result: RunResult) -> str:
+    """Requests preempted for memory (each counted each time); "-" without an engine (HF)."""
+    return str(result.preemptions) if result.rounds else "-"
+
+
 def _seconds(row: Row) -> str:
     """The fastest run, and ``!`` when the runs were too far apart to trust."""
     return f"{row.best:.3f}{'!' if row.flagged else ' '}"
@@ -83,6 +92,8 @@ COLUMNS = [
     ("prefix reuse", 12, True),
     ("computed tokens", 15, True),
     ("peak KV MiB", 11, True),
+    ("requests/round", 14, True),
+    ("preemptions", 11, True),
     ("GFLOP", 7, True),
     ("GFLOP/s", 7, True),
 ]
@@ -124,6 +135,8 @@ def table(rows: list[Row], extra: list[Row]) -> str:
             _reuse(r),
             _computed(r),
             f"{r.kv_peak_bytes / MIB:.2f}",
+            _per_round(r),
+            _preemptions(r),
             f"{r.flops / 1e9:.2f}",
             f"{row.gflops_per_second:.1f}",
         ]
@@ -148,11 +161,17 @@ def notes(
         "decode tokens that went through the model.",
         f"peak KV MiB: engine rows hold blocks_peak x {block_kib:g} KiB (2 x {cfg.num_layers} "
         f"layers x {cfg.block_size} tokens x {cfg.num_kv_heads} KV heads x {cfg.d_head} x "
-        f"{cfg.dtype.itemsize} bytes); HF holds a dense cache of {workload.num_requests} x "
-        f"{positions} positions x {dense_kib:g} KiB.",
+        f"{cfg.dtype.itemsize} bytes)"
+        + (
+            f"; HF holds a dense cache of {workload.num_requests} x {positions} positions x "
+            f"{dense_kib:g} KiB."
+            if workload.eos is None  # no HF row when each request has its own eos
+            else "."
+        ),
         f"GFLOP: model FLOPs of the computed tokens (bench/costs.py); GFLOP/s = GFLOP / min s, "
         f"against this machine's {machine_gflops:.1f} on a plain matmul: far below it, a row is "
         "bound by overhead, not arithmetic.",
+        *memory_notes(rows[0], cfg, workload),
     ]
     flagged, threads = [r.name for r in rows if r.flagged], torch.get_num_threads()
     if flagged:
@@ -161,6 +180,45 @@ def notes(
             f"The machine was busy; its min s may still be too high: {RERUN_HINT[threads > 1]}"
         )
     return "\n".join(lines) + "\n"
+
+
+def memory_notes(row: Row, cfg: ModelConfig, workload: Workload) -> list[str]:
+    """What requests/round and preemptions mean, with ``row``'s own figures, and how many
+    requests worst-case reservation would have run at once: arithmetic, not a run. Reserving
+    ``prompt + max_new_tokens`` per request (``blocks_for_request``), the pool holds
+    ``total_blocks // smallest reservation`` requests at most (and never more than
+    ``max_running``)."""
+    r, bs, pool = row.result, cfg.block_size, cfg.total_blocks
+    lines = [
+        "requests/round: requests a round ran, on average (EngineStats.seqs_per_round"
+        + (f"; {row.name}: {r.seqs_scheduled} over {r.rounds} rounds" if r.rounds else "")
+        + "); preemptions: running requests sent back to the queue for lack of blocks, "
+        "recomputed later (EngineStats.preemptions).",
+    ]
+    lengths = workload.prompt_lengths()
+    reserved = [blocks_for_request(n, workload.max_new_tokens, bs) for n in lengths]
+    used = [blocks_for_request(n, len(out), bs) for n, out in zip(lengths, r.outputs) if out]
+    fits = pool // min(reserved)
+    each = (
+        f"each request reserves {span(reserved)} blocks (prompt + max_new_tokens) of the "
+        f"{pool}-block pool"
+    )
+    if len(used) == len(lengths):
+        each += f"; prompt + answer fill {span(used)}"
+    if fits >= workload.max_running:
+        lines.append(
+            f"worst-case reservation would run all {workload.max_running} at a time too "
+            f"(max_running): {each}, room for {fits}."
+        )
+    else:
+        lines.append(f"worst-case reservation would run at most {fits} at a time: {each}.")
+    return lines
+
+
+def span(values: list[int]) -> str:
+    """``5`` or ``3 to 6``."""
+    low, high = min(values), max(values)
+    return str(low) if low == high else f"{low} to {high}"
 
 
 @dataclass
@@ -256,6 +314,10 @@ def row_json(row: Row, base: Row) -> dict[str, object]:
         "blocks_peak": r.blocks_peak,
         "kv_peak_bytes": r.kv_peak_bytes,
         "kv_peak_mib": r.kv_peak_bytes / MIB,
+        "rounds": r.rounds,
+        "seqs_scheduled": r.seqs_scheduled,
+        "seqs_per_round": r.seqs_per_round,
+        "preemptions": r.preemptions,
         "flops": r.flops,
         "gflops_per_s": row.gflops_per_second,
     }

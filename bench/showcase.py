@@ -24,10 +24,21 @@ from common.errors import report_user_errors
 from common.reference import ReferenceModel, reference_generate
 from common.steps import FIXES, available_steps
 from common.text import model_dir_arg
+from common.workload import PRESSURE_EOS_AT
 
 from . import report
 from .costs import matmul_gflops
-from .harness import RunResult, StepRunner, Workload, bench_config
+from .harness import (
+    PRESSURE,
+    SHARED_PREFIX,
+    WORKLOADS,
+    RunResult,
+    StepRunner,
+    Workload,
+    bench_config,
+    pressure_workload,
+    with_eos,
+)
 from .hf import hf_runner
 from .progress import Progress
 from .rows import Row
@@ -44,12 +55,21 @@ DEFAULT_THREADS = 1
 DESCRIPTION = f"""\
 Every step on the same workload, side by side.
 
+--workload shared-prefix (the default):
 Serves the same shared-prefix requests through each step --repeats times, each time through a
 fresh engine (a cold cache). By default all requests run at once (--max-running 0), as Hugging
 Face runs them in one batch. Then the last step again, twice: after one earlier request has
 put the shared prefix in the cache (warm prefix: only the later requests are timed), and with
 the prefix cache off. Then Hugging Face's generate on the same weights, all prompts in one
 batch. Every row must produce the same tokens as the dense reference model.
+
+--workload pressure: memory, not speed. Two dozen short prompts whose answers stop at their
+own eos within 13 tokens (picked from the dense reference's answers), asked with
+--new-tokens 64, in a pool of 48 blocks of 4 tokens, up to 8 at a time. Only the step rows:
+no warm prefix or no cache row (there is no shared prefix), and no Hugging Face row (one
+batched generate cannot stop each request at its own eos). The requests/round and
+preemptions columns show how many requests memory on demand runs at once, and a line under
+the table how many worst-case reservation would (prompt + max new tokens reserved for each).
 
 Each row shows its fastest run (min s: the work is the same every run, so a slower run only
 measures what else the machine was doing), flagged ! when its runs differ by more than
@@ -90,47 +110,83 @@ def step_list(text: str) -> list[str]:
     return names
 
 
+class PerWorkload:
+    """A flag's default that depends on ``--workload``; ``--help`` shows both. A value still of
+    this type after parsing was not given on the command line."""
+
+    def __init__(self, shared_prefix: int | None, pressure: int | None, none: str = "") -> None:
+        self.values = {SHARED_PREFIX: shared_prefix, PRESSURE: pressure}
+        self.none = none  # what None means, for --help
+
+    def __str__(self) -> str:
+        return ", ".join(
+            f"{self.none if value is None else value} for {kind}"
+            for kind, value in self.values.items()
+        )
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The flags, every value checked here: a bad one exits 2 with one ``error:`` line."""
     p = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, formatter_class=HelpFormatter)
-    w = Workload()
+    w, pw = Workload(), pressure_workload()
+    p.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default=SHARED_PREFIX,
+        help="shared-prefix: requests behind one long prefix, all at once (speed); pressure: "
+        "short answers asked with a long --new-tokens in a small pool (memory)",
+    )
     p.add_argument(
         "--requests",
         type=positive_int,
-        default=w.num_requests,
+        default=PerWorkload(w.num_requests, pw.num_requests),
         metavar="N",
-        help="requests, all behind one shared prefix",
+        help="requests",
     )
     p.add_argument(
         "--prefix-len",
         type=non_negative_int,
-        default=w.prefix_len,
+        default=PerWorkload(w.prefix_len, None, "unused"),
         metavar="N",
         help="tokens of the prefix every request shares",
     )
     p.add_argument(
         "--tail-len",
         type=non_negative_int,
-        default=w.tail_len,
+        default=PerWorkload(w.tail_len, None, "unused"),
         metavar="N",
         help="tokens of each request's own after the prefix",
     )
     p.add_argument(
         "--new-tokens",
         type=positive_int,
-        default=w.max_new_tokens,
+        default=PerWorkload(w.max_new_tokens, pw.max_new_tokens),
         metavar="N",
-        help="tokens generated per request",
+        help="tokens generated per request (max_new_tokens: with pressure, each request stops "
+        "at its eos long before)",
     )
     p.add_argument(
         "--max-running",
         type=non_negative_int,
-        default=0,
+        default=PerWorkload(0, pw.max_running),
         metavar="N",
-        help="requests the engine runs at once (0: all of them, as HF runs them in one batch)",
+        help="requests the engine runs at once at most (0: all of them, as HF runs them in "
+        "one batch)",
     )
     p.add_argument(
-        "--block-size", type=positive_int, default=16, metavar="N", help="tokens per KV block"
+        "--block-size",
+        type=positive_int,
+        default=PerWorkload(16, 4),
+        metavar="N",
+        help="tokens per KV block",
+    )
+    p.add_argument(
+        "--total-blocks",
+        type=positive_int,
+        default=PerWorkload(None, pw.total_blocks, "room for every request at once"),
+        metavar="N",
+        help="KV blocks in the pool; at least what the largest request holds at the end of its "
+        "longest life (prompt + new tokens)",
     )
     p.add_argument(
         "--model",
@@ -184,9 +240,49 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="no status line on stderr while a slow row runs (it is shown only on a terminal)",
     )
     args = p.parse_args(argv)
-    if args.prefix_len + args.tail_len == 0:
+    if args.workload == PRESSURE:
+        given = [f for f in ("prefix_len", "tail_len") if not is_default(getattr(args, f))]
+        if given:
+            flags = " and ".join("--" + f.replace("_", "-") for f in given)
+            p.error(f"{flags}: --workload pressure draws its own prompts (no shared prefix)")
+    for name, value in vars(args).items():
+        if is_default(value):
+            setattr(args, name, value.values[args.workload])
+    if args.workload == SHARED_PREFIX and args.prefix_len + args.tail_len == 0:
         p.error("--prefix-len and --tail-len are both 0: a prompt needs at least one token")
+    workload = workload_of(args)
+    need = workload.largest_request_blocks(args.block_size)
+    if args.total_blocks is not None and args.total_blocks < need:
+        p.error(
+            f"--total-blocks {args.total_blocks} is too small: the largest request needs {need} "
+            f"blocks of {args.block_size} tokens ({max(workload.prompt_lengths())} prompt + "
+            f"{workload.max_new_tokens} new tokens); the engine would refuse it"
+        )
     return args
+
+
+def is_default(value: object) -> bool:
+    """A flag left at its per-workload default (not given on the command line)."""
+    return isinstance(value, PerWorkload)
+
+
+def workload_of(args: argparse.Namespace) -> Workload:
+    """The workload the flags describe (its eos ids, for pressure, come later: ``pick_eos``)."""
+    if args.workload == PRESSURE:
+        return pressure_workload(
+            num_requests=args.requests,
+            max_new_tokens=args.new_tokens,
+            max_running=args.max_running or args.requests,
+            total_blocks=args.total_blocks,
+        )
+    return Workload(
+        args.requests,
+        args.prefix_len,
+        args.tail_len,
+        args.new_tokens,
+        args.max_running or args.requests,
+        total_blocks=args.total_blocks,
+    )
 
 
 def load_model(
@@ -230,7 +326,6 @@ def measure(
     fixes: str,
     run: Callable[[], RunResult],
     repeats: int,
-    new_tokens: int,
     progress: Progress | None = None,
     live: Callable[[], str] | None = None,
 ) -> Row:
@@ -244,7 +339,7 @@ def measure(
             task.note = f"run {i + 1}/{repeats}{done}"
             result = run()
             seconds.append(result.seconds)
-    row = Row(name, fixes, seconds, result, new_tokens)
+    row = Row(name, fixes, seconds, result, sum(len(ids) for ids in result.outputs))
     times = "".join(f" {s:6.2f}s" for s in seconds)
     print(f"  {name:<26}{times}" + (f"  ! {row.spread:.2f}x apart" if row.flagged else ""))
     return row
@@ -271,51 +366,54 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     progress = Progress(enabled=False if args.quiet else None)
-    workload = Workload(
-        args.requests,
-        args.prefix_len,
-        args.tail_len,
-        args.new_tokens,
-        args.max_running or args.requests,
-    )
+    workload = workload_of(args)
     with progress.task(f"loading {args.model}"):
         cfg, weights = load_model(args, workload)
     prompts = workload.prompts(cfg.vocab_size)
-    new_tokens = workload.num_requests * workload.max_new_tokens
     machine_gflops = matmul_gflops(cfg.device)
     print(report.header(cfg, workload, args.repeats, args.model, machine_gflops))
 
     def timed(name: str, fixes: str, run: Callable[[], RunResult], live=None) -> Row:
-        return measure(name, fixes, run, args.repeats, new_tokens, progress, live)
+        return measure(name, fixes, run, args.repeats, progress, live)
 
     clock = Stopwatch()
-    rows, runner = [], None
+    reference = Reference(cfg, weights)
+    if workload.kind == PRESSURE:
+        with clock.phase("picking eos"), progress.task("dense reference: picking eos ids"):
+            workload = pick_eos(workload, prompts, reference)
+    rows, extra, runner = [], [], None
     with clock.phase("steps"):
         for name in args.steps:
             with progress.task(f"{name}: building the model"):
                 runner = StepRunner(name, cfg, weights)
             run_once = lambda r=runner: r.run(prompts, workload)  # noqa: E731
             rows.append(timed(name, FIXES[name][1], run_once, computed_so_far(runner)))
-        last, earlier = rows[-1].name, workload.earlier_prompt(cfg.vocab_size)
-        live = computed_so_far(runner)
-        extra = [
-            # The last step on a server that has seen the prefix before: one earlier request
-            # (untimed, through the same engine) put it in the cache.
-            timed(
-                f"{last} (warm prefix)",
-                "the same, after one earlier request cached the prefix",
-                lambda: runner.run(prompts, workload, earlier_prompt=earlier),
-                live,
-            ),
-            # The last step again, cache off: what the prefix cache itself buys.
-            timed(
-                f"{last} (no cache)",
-                "the same, prefix cache disabled",
-                lambda: runner.run(prompts, workload, enable_prefix_cache=False),
-                live,
-            ),
-        ]
-    if not args.no_hf:
+        if workload.kind == SHARED_PREFIX:
+            last, earlier = rows[-1].name, workload.earlier_prompt(cfg.vocab_size)
+            live = computed_so_far(runner)
+            extra = [
+                # The last step on a server that has seen the prefix before: one earlier
+                # request (untimed, through the same engine) put it in the cache.
+                timed(
+                    f"{last} (warm prefix)",
+                    "the same, after one earlier request cached the prefix",
+                    lambda: runner.run(prompts, workload, earlier_prompt=earlier),
+                    live,
+                ),
+                # The last step again, cache off: what the prefix cache itself buys.
+                timed(
+                    f"{last} (no cache)",
+                    "the same, prefix cache disabled",
+                    lambda: runner.run(prompts, workload, enable_prefix_cache=False),
+                    live,
+                ),
+            ]
+    if not args.no_hf and workload.eos is not None:
+        print(
+            "  (Hugging Face row skipped: one batched generate cannot stop each request at its "
+            "own eos)"
+        )
+    elif not args.no_hf:
         with clock.phase("Hugging Face"):
             with progress.task("Hugging Face: building the model"):
                 hf_run = hf_runner(cfg, prompts, workload, weights, checkpoint_positions(args))
@@ -326,7 +424,7 @@ def run_bench(args: argparse.Namespace) -> int:
     expected = None
     if not args.no_reference:
         with clock.phase("reference check"), progress.task("dense reference"):
-            expected = reference_tokens(cfg, weights, prompts, workload)
+            expected = reference_tokens(reference, prompts, workload)
     same = report.check_tokens(rows + extra, expected)
     print(report.table(rows, extra))
     print(report.notes(rows + extra, cfg, workload, args.repeats, machine_gflops))
@@ -336,18 +434,52 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0 if same.ok else 1
 
 
-def reference_tokens(
-    cfg: ModelConfig,
-    weights: Mapping[str, torch.Tensor] | None,
-    prompts: list[list[int]],
-    workload: Workload,
-) -> list[list[int]]:
-    """The dense, cache-free model's tokens: every row must match them."""
+class Reference:
+    """The dense, cache-free reference model on the bench's weights, built when first asked
+    for (the shared-prefix workload with --no-reference never builds it)."""
+
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor] | None) -> None:
+        self.cfg, self.weights, self._model = cfg, weights, None
+
+    @property
+    def model(self) -> ReferenceModel:
+        if self._model is None:
+            self._model = ReferenceModel(self.cfg)
+            if self.weights is not None:
+                self._model.load_weights(self.weights)
+        return self._model
+
+
+def pick_eos(workload: Workload, prompts: list[list[int]], reference: Reference) -> Workload:
+    """The pressure workload with one eos id per request, from the dense reference's own
+    answers: the token each answer has at a seeded position 5 to 12 (common/workload.py's
+    ``pressure_eos``). Needs the reference's first 13 tokens of every answer, with or
+    without --no-reference."""
     start = time.perf_counter()
-    model = ReferenceModel(cfg)
-    if weights is not None:
-        model.load_weights(weights)
-    tokens = reference_generate(model, prompts, workload.max_new_tokens)
+    answers = reference_generate(reference.model, prompts, PRESSURE_EOS_AT[1] + 1)
+    picked = with_eos(workload, answers)
+    seconds = time.perf_counter() - start
+    print(
+        f"  each request's eos: a token its dense-reference answer has at position "
+        f"{PRESSURE_EOS_AT[0]} to {PRESSURE_EOS_AT[1]} (picked in {seconds:.2f} s)"
+    )
+    return picked
+
+
+def reference_tokens(
+    reference: Reference, prompts: list[list[int]], workload: Workload
+) -> list[list[int]]:
+    """The dense, cache-free model's tokens: every row must match them (each request stopped
+    at its own eos when the workload has one per request)."""
+    start = time.perf_counter()
+    model, new = reference.model, workload.max_new_tokens
+    if workload.eos is None:
+        tokens = reference_generate(model, prompts, new)
+    else:
+        tokens = [
+            reference_generate(model, [prompt], new, eos)[0]
+            for prompt, eos in zip(prompts, workload.eos, strict=True)
+        ]
     seconds = time.perf_counter() - start
     print(f"  {'dense reference':<26} {seconds:6.2f}s (correctness only, not timed against)")
     return tokens

@@ -5,6 +5,8 @@
 Each round serves all requests through a fresh engine, with continuous batching: a cold cache
 (group "end to end"), or one that an earlier request behind the same prefix has warmed, as on a
 server that has seen traffic (group "end to end, warm prefix"; the warm-up is not timed).
+Group "memory pressure" serves ``python -m bench --workload pressure``'s requests: short
+answers, each stopping at its own eos, asked with a long max_new_tokens in a small pool.
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ from functools import cache
 
 import pytest
 
-from bench.harness import StepRunner, Workload, bench_config
+from bench.harness import StepRunner, Workload, bench_config, pressure_workload, with_eos
 from common.config import preset
 from common.reference import ReferenceModel, reference_generate
 from common.steps import STEPS, available_steps, load_step
-from common.workload import shared_prefix_prompts
+from common.workload import PRESSURE_EOS_AT, shared_prefix_prompts
 
 WORKLOAD = Workload(num_requests=8, prefix_len=128, tail_len=16, max_new_tokens=16, max_running=8)
 CFG = bench_config(WORKLOAD)
@@ -87,3 +89,35 @@ def test_long_prompt_hashing(benchmark, step_name: str) -> None:
 @cache
 def reference_model_for(cfg) -> ReferenceModel:
     return ReferenceModel(cfg)
+
+
+PRESSURE = pressure_workload()  # 24 short prompts, max_new_tokens=64, 48 blocks, 8 at a time
+PRESSURE_CFG = bench_config(PRESSURE, "demo", block_size=4)  # python -m bench's model
+
+
+@cache
+def pressure_requests() -> tuple[Workload, list[list[int]], list[list[int]]]:
+    """The workload with one eos per request (a token of the reference's own answer, as the
+    bench picks it), its prompts, and the reference's tokens, each stopped at its eos."""
+    model = reference_model_for(PRESSURE_CFG)
+    prompts = PRESSURE.prompts(PRESSURE_CFG.vocab_size)
+    workload = with_eos(PRESSURE, reference_generate(model, prompts, PRESSURE_EOS_AT[1] + 1))
+    new = workload.max_new_tokens
+    expected = [reference_generate(model, [p], new, e)[0] for p, e in zip(prompts, workload.eos)]
+    return workload, prompts, expected
+
+
+@pytest.mark.parametrize("step_name", STEPS)
+def test_memory_pressure(benchmark, step_name: str) -> None:
+    """Memory on demand in a pool where reserving each request's worst case would run two at
+    a time: at least four per round on average, the reference's tokens."""
+    if step_name not in available_steps():
+        pytest.skip(f"{step_name} does not exist yet")
+    workload, prompts, expected = pressure_requests()
+    runner = StepRunner(step_name, PRESSURE_CFG)
+    benchmark.group = "memory pressure"
+    result = benchmark.pedantic(runner.run, args=(prompts, workload), rounds=3, iterations=1)
+    benchmark.extra_info["seqs_per_round"] = result.seqs_per_round
+    benchmark.extra_info["preemptions"] = result.preemptions
+    assert result.outputs == expected
+    assert result.seqs_per_round >= 4

@@ -62,3 +62,40 @@ def random_shared_prefix_prompts(
         prompt = rng.choice(prefixes) + _tokens(rng, rng.randint(0, max_tail), vocab_size)
         prompts.append(prompt or _tokens(rng, 1, vocab_size))
     return prompts
+
+
+# The memory-pressure workload: short answers asked with a long max_new_tokens.
+PRESSURE_PROMPT_LENS = (4, 11)  # shortest and longest prompt, in tokens
+PRESSURE_EOS_AT = (5, 12)  # the eos is the answer's own token at one of these positions
+
+
+def pressure_prompt_lengths(num_requests: int = 24, seed: int = 7) -> list[int]:
+    """The lengths of ``pressure_prompts``: drawn first, so they do not depend on the vocabulary
+    (the bench checks the pool against the longest before it builds any model)."""
+    rng = random.Random(seed)
+    return [
+        rng.randrange(PRESSURE_PROMPT_LENS[0], PRESSURE_PROMPT_LENS[1] + 1)
+        for _ in range(num_requests)
+    ]
+
+
+def pressure_prompts(
+    num_requests: int = 24, vocab_size: int = 1024, seed: int = 7
+) -> list[list[int]]:
+    """``num_requests`` short unrelated prompts, 4 to 11 tokens each: the memory-pressure
+    workload, where each request stops at its own eos long before its ``max_new_tokens``
+    (``pressure_eos``)."""
+    rng = random.Random(seed + 1)
+    return [_tokens(rng, n, vocab_size) for n in pressure_prompt_lengths(num_requests, seed)]
+
+
+def pressure_eos(answers: list[list[int]], seed: int = 7) -> list[int]:
+    """One eos id per request, from its own answer: the token the answer has at a seeded
+    position 5 to 12. ``answers`` are the first 13 greedy tokens of each prompt (the dense
+    reference's), so every request stops within 13 tokens, at the first place its answer
+    produces that token."""
+    rng = random.Random(seed + 2)
+    last = PRESSURE_EOS_AT[1]
+    if any(len(answer) <= last for answer in answers):
+        raise ValueError(f"pressure_eos needs the first {last + 1} tokens of every answer")
+    return [answer[rng.randrange(PRESSURE_EOS_AT[0], last + 1)] for answer in answers]
