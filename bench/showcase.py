@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -42,8 +43,9 @@ put the shared prefix in the cache (warm prefix: only the later requests are tim
 the prefix cache off. Then Hugging Face's generate on the same weights, all prompts in one
 batch. Every row must produce the same tokens as the dense reference model.
 
-Each row shows its fastest run (min s: the work is the same every run, so a slower run only
-measures what else the machine was doing), flagged ! when its runs differ by more than
+The first row and the Hugging Face row get one untimed warm-up run (one-time setup). Each row
+shows its fastest run (min s: the work is the same every run, so a slower run only measures
+what else the machine was doing), flagged ! when its runs differ by more than
 {report.SPREAD_FLAG}x; tokens/s; the prompt tokens the prefix cache saved; the tokens the
 model computed; the peak KV memory it held; and the model FLOPs it did and their rate, next to
 this machine's own matmul rate. Results go to the --out folder: results.json, and
@@ -244,11 +246,23 @@ class Stopwatch:
 
 
 def measure(
-    name: str, fixes: str, run: Callable[[], RunResult], repeats: int, new_tokens: int
+    name: str,
+    fixes: str,
+    run: Callable[[], RunResult],
+    repeats: int,
+    new_tokens: int,
+    warmup: bool = False,
 ) -> Row:
-    """``repeats`` runs of one row, each printed as it finishes (a slow row shows at once)."""
+    """``repeats`` runs of one row, each printed as it finishes (a slow row shows at once).
+
+    ``warmup``: one untimed run first. The first torch work of a process pays one-time costs
+    (thread pools, kernel selection, the allocator growing) that no later run pays, so
+    without it the first repeat of the first row measured the process, not the row.
+    """
     seconds, result = [], None
     print(f"  {name:<26}", end="", flush=True)
+    if warmup:
+        run()
     for _ in range(repeats):
         result = run()
         seconds.append(result.seconds)
@@ -275,15 +289,16 @@ def main(argv: list[str] | None = None) -> int:
     machine_gflops = matmul_gflops(cfg.device)
     print(report.header(cfg, workload, args.repeats, args.model, machine_gflops))
 
-    def timed(name: str, fixes: str, run: Callable[[], RunResult]) -> Row:
-        return measure(name, fixes, run, args.repeats, new_tokens)
+    def timed(name: str, fixes: str, run: Callable[[], RunResult], warmup: bool = False) -> Row:
+        return measure(name, fixes, run, args.repeats, new_tokens, warmup)
 
     clock = Stopwatch()
     rows, runner = [], None
     with clock.phase("steps"):
         for name in args.steps:
             runner = StepRunner(name, cfg, weights)
-            rows.append(timed(name, FIXES[name][1], lambda r=runner: r.run(prompts, workload)))
+            run = partial(runner.run, prompts, workload)
+            rows.append(timed(name, FIXES[name][1], run, warmup=not rows))  # the first row
         last, earlier = rows[-1].name, workload.earlier_prompt(cfg.vocab_size)
         extra = [
             # The last step on a server that has seen the prefix before: one earlier request
@@ -304,9 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         with clock.phase("Hugging Face"):
             hf_run = hf_runner(cfg, prompts, workload, weights)
             if hf_run is not None:
-                extra.append(
-                    timed("HF generate", "transformers LlamaForCausalLM.generate, batched", hf_run)
-                )
+                # Warmed up too: its first generate() pays transformers' own one-time setup.
+                hf_name, hf_what = "HF generate", "transformers LlamaForCausalLM.generate, batched"
+                extra.append(timed(hf_name, hf_what, hf_run, warmup=True))
     expected = None
     if not args.no_reference:
         with clock.phase("reference check"):
