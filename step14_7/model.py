@@ -10,6 +10,7 @@ mask rows); steps 14_1 to 14_4 replace them one at a time.
 
 from __future__ import annotations
 
+import array
 import itertools
 import math
 from dataclasses import dataclass
@@ -248,8 +249,9 @@ class PaddedAttention:
 class FlatBatch:
     """One round's tokens as a flat batch, and every index the layers need, made once.
 
-    Per-token lists (ids, positions, the write's slot mapping) are built in Python and sent
-    over in one tensor each, instead of a few small tensor operations per sequence.
+    The per-token lists (ids, positions, the write's slot mapping) are plain Python arithmetic
+    on the block tables, sent over as one tensor; each attention group needs one more. That
+    replaces a handful of small tensor operations per sequence per round.
     """
 
     token_ids: torch.Tensor  # [N]
@@ -270,11 +272,15 @@ class FlatBatch:
         bs = cfg.block_size
         lengths = [len(chunk) for chunk in chunks]
         starts = [0, *itertools.accumulate(lengths)]  # cu_seqlens (vLLM's query_start_loc)
-        positions, slots = [], []
-        for table, start, n in zip(block_tables, start_positions, lengths):
-            span = range(start, start + n)
+        ids, positions, slots = [], [], []
+        for chunk, table, start in zip(chunks, block_tables, start_positions):
+            span = range(start, start + len(chunk))
+            ids += chunk
             positions += span
             slots += [table[p // bs] * bs + p % bs for p in span]
+        token_ids, positions, slot_mapping = index_tensor(ids + positions + slots, device).view(
+            3, -1
+        )
         last = [end - 1 for end in starts[1:]]
         # Decode rows and prefill chunks attend in separate calls: padded together, each
         # one-token row would be padded to a whole chunk of queries.
@@ -287,13 +293,8 @@ class FlatBatch:
             for members in (decode, prefill)
             if members
         ]
-        return cls(
-            torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
-            torch.tensor(slots, dtype=torch.long, device=device),
-            None if len(last) == starts[-1] else torch.tensor(last, device=device),
-            groups,
-        )
+        last_rows = None if len(last) == starts[-1] else index_tensor(last, device)
+        return cls(token_ids, positions, slot_mapping, last_rows, groups)
 
 
 def _padded_attention_group(
@@ -306,27 +307,42 @@ def _padded_attention_group(
     device: torch.device,
 ) -> PaddedAttention:
     """The padded attention call of the sequences ``members`` (indices into the round)."""
-    bs = cfg.block_size
+    bs, num_seqs = cfg.block_size, len(members)
     t = max(lengths[i] for i in members)
     width = max(start_positions[i] + lengths[i] for i in members)  # S: the longest context
     num_blocks = -(-width // bs)
-    # The block tables, cut or padded (with block 0) to num_blocks: [G, num_blocks] -> slots.
-    tables = [block_tables[i][:num_blocks] for i in members]
-    table = torch.tensor([tb + [0] * (num_blocks - len(tb)) for tb in tables], device=device)
-    offsets = torch.arange(bs, device=device)
-    slots = (table[:, :, None] * bs + offsets).flatten(1)[:, :width]
+    # The block tables, cut or padded (with block 0) to num_blocks, then each sequence's first
+    # position: one tensor, [G * num_blocks + G].
+    flat = []
+    for i in members:
+        table = block_tables[i][:num_blocks]
+        flat += table + [0] * (num_blocks - len(table))
+    data = index_tensor(flat + [start_positions[i] for i in members], device)
+    table, first_pos = data[: num_seqs * num_blocks].view(num_seqs, -1), data[-num_seqs:]
+    steps = torch.arange(max(bs, width, t), device=device)
+    slots = (table[:, :, None] * bs + steps[:bs]).view(num_seqs, -1)[:, :width].contiguous()
     # Query row j of a sequence sits at position start + j and may read keys 0 .. start + j.
-    query_pos = torch.tensor(
-        [[start_positions[i] + j for j in range(t)] for i in members], device=device
-    )
-    mask = torch.arange(width, device=device) <= query_pos[:, :, None]  # [G, T, S]
+    query_pos = first_pos[:, None] + steps[:t]  # [G, T]
+    mask = steps[:width] <= query_pos[:, :, None]  # [G, T, S]
     per_kv = cfg.num_queries_per_kv
-    mask = mask[:, None, None].expand(-1, 1, per_kv, t, width).reshape(len(members), 1, -1, width)
+    mask = mask[:, None, None].expand(-1, 1, per_kv, t, width).reshape(num_seqs, 1, -1, width)
     rows = None
-    if len(members) < len(lengths) or any(lengths[i] < t for i in members):
+    if num_seqs < len(lengths) or any(lengths[i] < t for i in members):
         spare = starts[-1]
-        rows = torch.tensor(
+        rows = index_tensor(
             [starts[i] + j if j < lengths[i] else spare for i in members for j in range(t)],
-            device=device,
+            device,
         )
     return PaddedAttention(slots, mask, t, rows)
+
+
+def index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """A list of Python ints as an int64 tensor, cheaply.
+
+    ``torch.tensor(values)`` inspects every element from Python (a round's few hundred indices
+    took ~10x as long as a small tensor operation); ``array("q")`` packs them in C and
+    ``torch.frombuffer`` wraps those bytes without a copy (the tensor keeps the array alive).
+    """
+    if not values:
+        return torch.empty(0, dtype=torch.long, device=device)
+    return torch.frombuffer(array.array("q", values), dtype=torch.long).to(device)
