@@ -123,12 +123,8 @@ class TinyTransformerPaged(CausalLM):
         is read once, never copied per query head.
         """
         num_seqs, width = group.slots.shape
-        kv_heads, per_kv, d_head = (
-            self.cfg.num_kv_heads,
-            self.cfg.num_queries_per_kv,
-            self.cfg.d_head,
-        )
-        t = group.query_len
+        cfg, t = self.cfg, group.query_len
+        kv_heads, per_kv, d_head = cfg.num_kv_heads, cfg.num_queries_per_kv, cfg.d_head
         keys, values = self._gather_kv(layer_idx, group.slots.flatten())
         keys = keys.view(num_seqs, width, kv_heads, d_head).transpose(1, 2)  # [G, KV, S, d]
         values = values.view(num_seqs, width, kv_heads, d_head).transpose(1, 2)
@@ -271,36 +267,36 @@ class FlatBatch:
     ) -> FlatBatch:
         bs = cfg.block_size
         lengths = [len(chunk) for chunk in chunks]
-        starts = [0, *itertools.accumulate(lengths)]  # cu_seqlens (vLLM's query_start_loc)
+        # Where each chunk's rows begin in the flat batch (vLLM: query_start_loc).
+        cu_seqlens = [0, *itertools.accumulate(lengths)]
         ids, positions, slots = [], [], []
         for chunk, table, start in zip(chunks, block_tables, start_positions):
             span = range(start, start + len(chunk))
             ids += chunk
             positions += span
             slots += [table[p // bs] * bs + p % bs for p in span]
-        token_ids, positions, slot_mapping = index_tensor(ids + positions + slots, device).view(
-            3, -1
-        )
-        last = [end - 1 for end in starts[1:]]
+        per_token = index_tensor(ids + positions + slots, device).view(3, -1)
+        token_ids, positions, slot_mapping = per_token  # three contiguous rows
+        last = [end - 1 for end in cu_seqlens[1:]]
         # Decode rows and prefill chunks attend in separate calls: padded together, each
         # one-token row would be padded to a whole chunk of queries.
         decode = [i for i, n in enumerate(lengths) if n == 1]
         prefill = [i for i, n in enumerate(lengths) if n > 1]
         groups = [
             _padded_attention_group(
-                members, lengths, starts, block_tables, start_positions, cfg, device
+                members, lengths, cu_seqlens, block_tables, start_positions, cfg, device
             )
             for members in (decode, prefill)
             if members
         ]
-        last_rows = None if len(last) == starts[-1] else index_tensor(last, device)
+        last_rows = None if len(last) == cu_seqlens[-1] else index_tensor(last, device)
         return cls(token_ids, positions, slot_mapping, last_rows, groups)
 
 
 def _padded_attention_group(
     members: list[int],
     lengths: list[int],
-    starts: list[int],
+    cu_seqlens: list[int],
     block_tables: list[list[int]],
     start_positions: list[int],
     cfg: ModelConfig,
@@ -328,9 +324,9 @@ def _padded_attention_group(
     mask = mask[:, None, None].expand(-1, 1, per_kv, t, width).reshape(num_seqs, 1, -1, width)
     rows = None
     if num_seqs < len(lengths) or any(lengths[i] < t for i in members):
-        spare = starts[-1]
+        spare = cu_seqlens[-1]
         rows = index_tensor(
-            [starts[i] + j if j < lengths[i] else spare for i in members for j in range(t)],
+            [cu_seqlens[i] + j if j < lengths[i] else spare for i in members for j in range(t)],
             device,
         )
     return PaddedAttention(slots, mask, t, rows)
