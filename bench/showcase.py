@@ -71,7 +71,8 @@ batched generate cannot stop each request at its own eos). The requests/round an
 preemptions columns show how many requests memory on demand runs at once, and a line under
 the table how many worst-case reservation would (prompt + max new tokens reserved for each).
 
-Each row shows its fastest run (min s: the work is the same every run, so a slower run only
+The first row and the Hugging Face row get one untimed warm-up run (one-time setup). Each row
+shows its fastest run (min s: the work is the same every run, so a slower run only
 measures what else the machine was doing), flagged ! when its runs differ by more than
 {report.SPREAD_FLAG}x; tokens/s; the prompt tokens the prefix cache saved; the tokens the
 model computed; the peak KV memory it held; and the model FLOPs it did and their rate, next to
@@ -328,12 +329,21 @@ def measure(
     repeats: int,
     progress: Progress | None = None,
     live: Callable[[], str] | None = None,
+    warmup: bool = False,
 ) -> Row:
     """``repeats`` runs of one row, printed as one line when the row is done. Meanwhile a
-    slow row shows on ``progress`` (which run, ``live``'s figure, the time so far)."""
+    slow row shows on ``progress`` (which run, ``live``'s figure, the time so far).
+
+    ``warmup``: one untimed run first. The first torch work of a process pays one-time costs
+    (thread pools, kernel selection, the allocator growing) that no later run pays, so
+    without it the first repeat of the first row measured the process, not the row.
+    """
     seconds, result = [], None
     with (progress or Progress(enabled=False)).task(name) as task:
         task.live = live
+        if warmup:
+            task.note = "warm-up run (untimed)"
+            run()
         for i in range(repeats):
             done = f" (done: {', '.join(f'{s:.2f}s' for s in seconds)})" if seconds else ""
             task.note = f"run {i + 1}/{repeats}{done}"
@@ -373,8 +383,8 @@ def run_bench(args: argparse.Namespace) -> int:
     machine_gflops = matmul_gflops(cfg.device)
     print(report.header(cfg, workload, args.repeats, args.model, machine_gflops))
 
-    def timed(name: str, fixes: str, run: Callable[[], RunResult], live=None) -> Row:
-        return measure(name, fixes, run, args.repeats, progress, live)
+    def timed(name: str, fixes: str, run: Callable[[], RunResult], live=None, warmup=False) -> Row:
+        return measure(name, fixes, run, args.repeats, progress, live, warmup)
 
     clock = Stopwatch()
     reference = Reference(cfg, weights)
@@ -387,7 +397,8 @@ def run_bench(args: argparse.Namespace) -> int:
             with progress.task(f"{name}: building the model"):
                 runner = StepRunner(name, cfg, weights)
             run_once = lambda r=runner: r.run(prompts, workload)  # noqa: E731
-            rows.append(timed(name, FIXES[name][1], run_once, computed_so_far(runner)))
+            live, first = computed_so_far(runner), not rows  # the first row is warmed up
+            rows.append(timed(name, FIXES[name][1], run_once, live, warmup=first))
         if workload.kind == SHARED_PREFIX:
             last, earlier = rows[-1].name, workload.earlier_prompt(cfg.vocab_size)
             live = computed_so_far(runner)
@@ -418,9 +429,9 @@ def run_bench(args: argparse.Namespace) -> int:
             with progress.task("Hugging Face: building the model"):
                 hf_run = hf_runner(cfg, prompts, workload, weights, checkpoint_positions(args))
             if hf_run is not None:
-                extra.append(
-                    timed("HF generate", "transformers LlamaForCausalLM.generate, batched", hf_run)
-                )
+                # Warmed up too: its first generate() pays transformers' own one-time setup.
+                hf_name, hf_what = "HF generate", "transformers LlamaForCausalLM.generate, batched"
+                extra.append(timed(hf_name, hf_what, hf_run, warmup=True))
     expected = None
     if not args.no_reference:
         with clock.phase("reference check"), progress.task("dense reference"):

@@ -17,8 +17,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 
-import torch
-
 from common.inputs import Request, check_request, check_requests
 from common.kv_events import KVCacheEvent
 from common.stats import EngineStats
@@ -68,7 +66,7 @@ class PagedPrefixCacheEngine:
         for seq, chunk, start in self._schedule():
             logits = self.model(chunk, seq.block_table, start)
             self.kv_cache_manager.cache_blocks(seq, start + len(chunk))  # its KV is in the pool
-            self._append_output(seq, start + len(chunk), logits[-1])
+            self._append_output(seq, start + len(chunk), int(logits[-1].argmax()))
             scheduled.append(seq)
         self._finish_round(scheduled)
 
@@ -236,15 +234,16 @@ class PagedPrefixCacheEngine:
         c.requests_hit += hit
         c.cached_tokens += adopted
 
-    def _append_output(self, seq: Sequence, num_computed: int, last_logits: torch.Tensor) -> None:
-        """The model computed the sequence's tokens up to ``num_computed``: a decode token, or
-        a chunk that ends the prefill, yields the next token (greedy)."""
+    def _append_output(self, seq: Sequence, num_computed: int, next_token: int) -> None:
+        """The model computed the sequence's tokens up to ``num_computed``; ``next_token`` is
+        the greedy choice at the last of them. A decode token, or a chunk that ends the
+        prefill, appends it; a chunk in the middle of a prompt has nothing to say yet."""
         if seq.status is SequenceStatus.PREFILLING:
             seq.prefill_offset = num_computed
             if not seq.is_prefill_done:
                 return
             seq.status = SequenceStatus.RUNNING
-        seq.append_token(int(last_logits.argmax()))
+        seq.append_token(next_token)
 
     def _finish_round(self, scheduled: list[Sequence]) -> None:
         """Finished sequences give their blocks back and hand in their output."""

@@ -17,8 +17,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 
-import torch
-
 from common.inputs import Request, check_request, check_requests
 from common.kv_events import KVCacheEvent
 from common.stats import EngineStats
@@ -69,8 +67,9 @@ class PagedPrefixCacheEngine:
             seqs, chunks, starts = (list(column) for column in zip(*work))
             tables = [seq.block_table for seq in seqs]
             last_logits = self.model.forward_batched(chunks, tables, starts)
-            for seq, chunk, start, logits in zip(seqs, chunks, starts, last_logits):
-                self._append_output(seq, start + len(chunk), logits)
+            next_tokens = last_logits.argmax(dim=-1).tolist()  # one call for the whole round
+            for seq, chunk, start, token in zip(seqs, chunks, starts, next_tokens):
+                self._append_output(seq, start + len(chunk), token)
         self._finish_round([seq for seq, _, _ in work])
 
     def generate(
@@ -155,10 +154,10 @@ class PagedPrefixCacheEngine:
 
         The whole round is scheduled before its one model call, and each block is registered
         in the cache when it is scheduled, so a sequence can adopt a block that one scheduled
-        before it fills in the same call. When a running sequence
-        needs a block the pool cannot give, the youngest running one is preempted (perhaps
-        itself). It has not been scheduled yet, so nobody loses blocks it was given this
-        round. After a preemption nobody is admitted this round: memory is short.
+        before it fills in the same call. When a running sequence needs a block the pool
+        cannot give, the youngest running one is preempted (perhaps itself). It has not been
+        scheduled yet, so nobody loses blocks it was given (or registered) this round. After a
+        preemption nobody is admitted this round: memory is short.
         """
         preemptions = self._counters.preemptions
         for seq in list(self.scheduler.running):
@@ -243,15 +242,16 @@ class PagedPrefixCacheEngine:
         c.requests_hit += hit
         c.cached_tokens += adopted
 
-    def _append_output(self, seq: Sequence, num_computed: int, last_logits: torch.Tensor) -> None:
-        """The model computed the sequence's tokens up to ``num_computed``: a decode token, or
-        a chunk that ends the prefill, yields the next token (greedy)."""
+    def _append_output(self, seq: Sequence, num_computed: int, next_token: int) -> None:
+        """The model computed the sequence's tokens up to ``num_computed``; ``next_token`` is
+        the greedy choice at the last of them. A decode token, or a chunk that ends the
+        prefill, appends it; a chunk in the middle of a prompt has nothing to say yet."""
         if seq.status is SequenceStatus.PREFILLING:
             seq.prefill_offset = num_computed
             if not seq.is_prefill_done:
                 return
             seq.status = SequenceStatus.RUNNING
-        seq.append_token(int(last_logits.argmax()))
+        seq.append_token(next_token)
 
     def _finish_round(self, scheduled: list[Sequence]) -> None:
         """Finished sequences give their blocks back and hand in their output."""

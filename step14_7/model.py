@@ -11,8 +11,10 @@ and mask rows); steps 14_1 to 14_4 replace them one at a time, and 14_7 adds
 
 from __future__ import annotations
 
+import array
 import itertools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -69,78 +71,76 @@ class TinyTransformerPaged(CausalLM):
         The tokens of all sequences (prefill chunks and decode tokens alike) are concatenated
         into one ``[total_tokens, d_model]`` batch, so embedding, norms, projections and the MLP
         run once per layer for everyone, and one scatter writes every token's K/V. Only
-        attention needs to know where one sequence ends: ``cu_seqlens`` (vLLM's
-        ``query_start_loc``) marks the boundaries, and each sequence attends over its own
-        context: all one-token chunks (decode rows) together in one padded batch, each longer
-        prefill chunk on its own. Returns ``[num_seqs, vocab]``: only the last token of a chunk
-        is ever sampled, so only those rows go through the final norm and ``lm_head``.
+        attention needs to know where one sequence ends; it runs as at most two padded calls
+        per layer, one for the decode rows and one for the prefill chunks (``FlatBatch``).
+        Returns ``[num_seqs, vocab]``: only the last token of a chunk is ever sampled, so only
+        those rows go through the final norm and ``lm_head``.
         """
-        ids = self.token_tensor([t for chunk in chunks for t in chunk])
-        cu_seqlens = [0, *itertools.accumulate(len(chunk) for chunk in chunks)]
-        context_slots, positions = [], []
         for table, start, chunk in zip(block_tables, start_positions, chunks):
             self._check_block_table(table, start + len(chunk))
-            context_slots.append(self._slot_mapping(table, 0, start + len(chunk)))
-            positions.append(torch.arange(start, start + len(chunk), device=self.device))
-        slot_mapping = torch.cat([s[start:] for s, start in zip(context_slots, start_positions)])
-        cos, sin = rope_cos_sin(torch.cat(positions), self.cfg)
-        single = [i for i, chunk in enumerate(chunks) if len(chunk) == 1]
-        single_rows = torch.tensor([cu_seqlens[i] for i in single], device=self.device)
-        padded_slots, key_mask = self._padded_contexts([context_slots[i] for i in single])
-        chunked = [i for i, chunk in enumerate(chunks) if len(chunk) > 1]
-        x = self.model.embed_tokens(ids)
+        batch = FlatBatch.build(chunks, block_tables, start_positions, self.cfg, self.device)
+        cos, sin = rope_cos_sin(batch.positions, self.cfg)
+        x = self.model.embed_tokens(batch.token_ids)
         for layer_idx, layer in enumerate(self.model.layers):
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
-            self._write_kv(layer_idx, k, v, slot_mapping)  # one scatter for the whole batch
-            attn = torch.empty_like(q)
-            if single:
-                rows_q = q[single_rows]
-                attn[single_rows] = self._decode_attention(
-                    layer_idx, rows_q, padded_slots, key_mask
-                )
-            for i in chunked:
-                rows = slice(cu_seqlens[i], cu_seqlens[i + 1])  # this sequence's tokens
-                keys, values = self._gather_kv(layer_idx, context_slots[i])
-                attn[rows] = self._attention(q[rows], keys, values, start_positions[i])
-            x = x + layer.self_attn.o_proj(attn.reshape(ids.shape[0], -1))
+            self._write_kv(layer_idx, k, v, batch.slot_mapping)  # one scatter for the whole batch
+            attn = self._batched_attention(layer_idx, q, batch.attention)
+            x = x + layer.self_attn.o_proj(attn.flatten(1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        last_rows = torch.tensor(cu_seqlens[1:], device=self.device) - 1
-        return self.lm_head(self.model.norm(x[last_rows]))
+        if batch.last_rows is not None:  # None: every chunk is one token, every row is sampled
+            x = x[batch.last_rows]
+        return self.lm_head(self.model.norm(x))
 
-    def _padded_contexts(
-        self, context_slots: list[torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The contexts of one-token chunks as one ``[B, S_max]`` slot matrix, padded with slot
-        0, and the mask ``[B, 1, 1, S_max]`` that hides the padding (True: a real key)."""
-        lengths = torch.tensor([len(s) for s in context_slots], device=self.device)
-        if not context_slots:
-            return torch.zeros(0, 0, dtype=torch.long, device=self.device), lengths
-        padded = torch.nn.utils.rnn.pad_sequence(context_slots, batch_first=True)
-        key_pos = torch.arange(padded.shape[1], device=self.device)
-        return padded, (key_pos < lengths[:, None])[:, None, None, :]
-
-    def _decode_attention(
-        self, layer_idx: int, q: torch.Tensor, padded_slots: torch.Tensor, key_mask: torch.Tensor
+    def _batched_attention(
+        self, layer_idx: int, q: torch.Tensor, groups: list[PaddedAttention]
     ) -> torch.Tensor:
-        """Attention of B one-token queries ``[B, H, d_head]``, each over its own context, in
-        one call: no Python loop over sequences.
+        """Every sequence's attention, ``[total_tokens, H, d_head]``, one padded call per group.
 
-        A single query is the newest token of its sequence, so it needs no causal mask, only
-        the padding mask. The contexts are gathered through the padded slot matrix (one
-        ``index_select`` for all of them) and handed to ``scaled_dot_product_attention``, the
-        fused kernel PyTorch has for exactly this. Grouped-query heads ride along for free: the
-        ``group`` query heads of a K/V head are that head's "queries" ``[B, KV, group, d]``.
+        When one group holds the whole batch in order (a decode round, or a prefill round of
+        full chunks), its output already is the flat result: no scatter back.
         """
-        batch, width = padded_slots.shape
-        kv_heads, d_head = self.cfg.num_kv_heads, self.cfg.d_head
-        keys, values = self._gather_kv(layer_idx, padded_slots.flatten())
-        keys = keys.view(batch, width, kv_heads, d_head).transpose(1, 2)  # [B, KV, S, d]
-        values = values.view(batch, width, kv_heads, d_head).transpose(1, 2)
-        q_grouped = q.view(batch, kv_heads, self.cfg.num_queries_per_kv, d_head)
+        if len(groups) == 1 and groups[0].rows is None:
+            return self._padded_attention(layer_idx, q, groups[0])
+        # One spare row at the end: padding queries read it (a zero query, harmless) and their
+        # outputs land in it, so one index serves both directions. It is dropped at the end.
+        q_spare = torch.cat([q, q.new_zeros(1, *q.shape[1:])])
+        attn = torch.empty_like(q_spare)
+        for group in groups:
+            attn[group.rows] = self._padded_attention(layer_idx, q_spare, group)
+        return attn[:-1]
+
+    def _padded_attention(
+        self, layer_idx: int, q: torch.Tensor, group: PaddedAttention
+    ) -> torch.Tensor:
+        """Attention of G sequences with up to T queries each, over contexts of up to S keys, in
+        one ``scaled_dot_product_attention`` call; returns ``[G*T, H, d_head]``.
+
+        The contexts are gathered through the padded ``[G, S]`` slot matrix (one
+        ``index_select`` for all of them), and the mask says which key each query may read:
+        its own sequence's keys up to its own position. That one comparison is the causal mask
+        of a prefill chunk, and for a decode row (T = 1, the newest token) it only hides the
+        padding. Grouped-query heads ride along for free: the ``group`` query heads of a K/V
+        head are stacked as that head's query rows ``[G, KV, group*T, d]``, so every K/V head
+        is read once, never copied per query head.
+        """
+        num_seqs, width = group.slots.shape
+        cfg, t = self.cfg, group.query_len
+        kv_heads, per_kv, d_head = cfg.num_kv_heads, cfg.num_queries_per_kv, cfg.d_head
+        keys, values = self._gather_kv(layer_idx, group.slots.flatten())
+        keys = keys.view(num_seqs, width, kv_heads, d_head).transpose(1, 2)  # [G, KV, S, d]
+        values = values.view(num_seqs, width, kv_heads, d_head).transpose(1, 2)
+        rows = q if group.rows is None else q[group.rows]  # [G*T, H, d]
+        # [G, T, KV, group, d] -> [G, KV, group, T, d]: a view when T = 1 (decode)
+        q_grouped = rows.view(num_seqs, t, kv_heads, per_kv, d_head).permute(0, 2, 3, 1, 4)
         out = torch.nn.functional.scaled_dot_product_attention(
-            q_grouped, keys, values, attn_mask=key_mask, scale=1.0 / math.sqrt(d_head)
+            q_grouped.reshape(num_seqs, kv_heads, per_kv * t, d_head),
+            keys,
+            values,
+            attn_mask=group.mask,
+            scale=1.0 / math.sqrt(d_head),
         )
-        return out.reshape(batch, -1, d_head)  # [B, H, d_head]
+        out = out.view(num_seqs, kv_heads, per_kv, t, d_head).permute(0, 3, 1, 2, 4)
+        return out.reshape(num_seqs * t, kv_heads * per_kv, d_head)
 
     def _check_block_table(self, block_table: list[int], context_len: int) -> None:
         if len(block_table) * self.cfg.block_size < context_len:
@@ -224,3 +224,122 @@ class TinyTransformerPaged(CausalLM):
         query_pos = key_pos[start_pos:, None]
         mask = torch.zeros(num_queries, context_len, dtype=self.cfg.dtype, device=self.device)
         return mask.masked_fill_(key_pos > query_pos, float("-inf"))
+
+
+# ---- the round's index tensors, built once per forward_batched call --------------------------
+
+
+@dataclass
+class PaddedAttention:
+    """G sequences whose queries attend in one padded call: each has up to T query rows and a
+    context of up to S keys. Built once per round, used by every layer."""
+
+    slots: torch.Tensor  # [G, S] physical slot of each context position (padding: slots of block 0)
+    mask: torch.Tensor  # [G, 1, group*T, S] True where a query row may read a key
+    query_len: int  # T
+    # [G*T] each padded query row's row in the flat batch, where its output goes too (padding
+    # rows: the spare row past the end); None when the group is the whole batch, in order.
+    rows: torch.Tensor | None
+
+
+@dataclass
+class FlatBatch:
+    """One round's tokens as a flat batch, and every index the layers need, made once.
+
+    The per-token lists (ids, positions, the write's slot mapping) are plain Python arithmetic
+    on the block tables, sent over as one tensor; each attention group needs one more. That
+    replaces a handful of small tensor operations per sequence per round.
+    """
+
+    token_ids: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N] absolute position of each token (for RoPE)
+    slot_mapping: torch.Tensor  # [N] the slot each token's K/V is written to
+    last_rows: torch.Tensor | None  # [num_seqs] each chunk's last row; None: all rows
+    attention: list[PaddedAttention]
+
+    @classmethod
+    def build(
+        cls,
+        chunks: list[list[int]],
+        block_tables: list[list[int]],
+        start_positions: list[int],
+        cfg: ModelConfig,
+        device: torch.device,
+    ) -> FlatBatch:
+        bs = cfg.block_size
+        lengths = [len(chunk) for chunk in chunks]
+        # Where each chunk's rows begin in the flat batch (vLLM: query_start_loc).
+        cu_seqlens = [0, *itertools.accumulate(lengths)]
+        ids, positions, slots = [], [], []
+        for chunk, table, start in zip(chunks, block_tables, start_positions):
+            span = range(start, start + len(chunk))
+            ids += chunk
+            positions += span
+            slots += [table[p // bs] * bs + p % bs for p in span]
+        per_token = index_tensor(ids + positions + slots, device).view(3, -1)
+        token_ids, positions, slot_mapping = per_token  # three contiguous rows
+        last = [end - 1 for end in cu_seqlens[1:]]
+        # Decode rows and prefill chunks attend in separate calls: padded together, each
+        # one-token row would be padded to a whole chunk of queries.
+        decode = [i for i, n in enumerate(lengths) if n == 1]
+        prefill = [i for i, n in enumerate(lengths) if n > 1]
+        groups = [
+            _padded_attention_group(
+                members, lengths, cu_seqlens, block_tables, start_positions, cfg, device
+            )
+            for members in (decode, prefill)
+            if members
+        ]
+        last_rows = None if len(last) == cu_seqlens[-1] else index_tensor(last, device)
+        return cls(token_ids, positions, slot_mapping, last_rows, groups)
+
+
+def _padded_attention_group(
+    members: list[int],
+    lengths: list[int],
+    cu_seqlens: list[int],
+    block_tables: list[list[int]],
+    start_positions: list[int],
+    cfg: ModelConfig,
+    device: torch.device,
+) -> PaddedAttention:
+    """The padded attention call of the sequences ``members`` (indices into the round)."""
+    bs, num_seqs = cfg.block_size, len(members)
+    t = max(lengths[i] for i in members)
+    width = max(start_positions[i] + lengths[i] for i in members)  # S: the longest context
+    num_blocks = -(-width // bs)
+    # The block tables, cut or padded (with block 0) to num_blocks, then each sequence's first
+    # position: one tensor, [G * num_blocks + G].
+    flat = []
+    for i in members:
+        table = block_tables[i][:num_blocks]
+        flat += table + [0] * (num_blocks - len(table))
+    data = index_tensor(flat + [start_positions[i] for i in members], device)
+    table, first_pos = data[: num_seqs * num_blocks].view(num_seqs, -1), data[-num_seqs:]
+    steps = torch.arange(max(bs, width, t), device=device)
+    slots = (table[:, :, None] * bs + steps[:bs]).view(num_seqs, -1)[:, :width].contiguous()
+    # Query row j of a sequence sits at position start + j and may read keys 0 .. start + j.
+    query_pos = first_pos[:, None] + steps[:t]  # [G, T]
+    mask = steps[:width] <= query_pos[:, :, None]  # [G, T, S]
+    per_kv = cfg.num_queries_per_kv
+    mask = mask[:, None, None].expand(-1, 1, per_kv, t, width).reshape(num_seqs, 1, -1, width)
+    rows = None
+    if num_seqs < len(lengths) or any(lengths[i] < t for i in members):
+        spare = cu_seqlens[-1]
+        rows = index_tensor(
+            [cu_seqlens[i] + j if j < lengths[i] else spare for i in members for j in range(t)],
+            device,
+        )
+    return PaddedAttention(slots, mask, t, rows)
+
+
+def index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """A list of Python ints as an int64 tensor, cheaply.
+
+    ``torch.tensor(values)`` inspects every element from Python (a round's few hundred indices
+    took ~10x as long as a small tensor operation); ``array("q")`` packs them in C and
+    ``torch.frombuffer`` wraps those bytes without a copy (the tensor keeps the array alive).
+    """
+    if not values:
+        return torch.empty(0, dtype=torch.long, device=device)
+    return torch.frombuffer(array.array("q", values), dtype=torch.long).to(device)
