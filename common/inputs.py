@@ -7,7 +7,7 @@ one raises ``ValueError`` saying what is wrong, and the engine's state stays as 
 
 from __future__ import annotations
 
-import numbers
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -72,16 +72,22 @@ def check_requests(
 
 
 def is_int(x: object) -> bool:
-    """An integer of any kind (Python, NumPy, a 0-d integer tensor), but not a bool."""
-    # ``type(x) is int`` answers the usual case at once; the ABC check is ~20x slower, which
-    # shows when every token of every prompt is checked.
+    """An integer of any kind (Python, NumPy, a 0-d integer tensor or array), but not a bool."""
+    # ``type(x) is int`` answers the usual case at once; the general check is ~20x slower,
+    # which shows when every token of every prompt is checked.
     if type(x) is int:
         return True
+    if isinstance(x, bool):
+        return False
     if isinstance(x, torch.Tensor):
         return x.dim() == 0 and not (
             x.is_floating_point() or x.is_complex() or x.dtype is torch.bool
         )
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+    try:  # what Python itself accepts as an index: NumPy integers, 0-d integer arrays
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
 
 
 def as_token_list(prompt_ids: object) -> list[int]:
@@ -106,8 +112,8 @@ def as_eos_ids(eos_token_id: object, vocab_size: int) -> frozenset[int]:
         ids = [eos_token_id]
     elif isinstance(eos_token_id, (str, bytes)) or not isinstance(eos_token_id, Iterable):
         ids = [eos_token_id]  # refused below
-    elif isinstance(eos_token_id, torch.Tensor) and eos_token_id.dim() != 1:
-        ids = [eos_token_id]  # a float scalar or a matrix: refused below
+    elif getattr(eos_token_id, "ndim", 1) != 1:
+        ids = [eos_token_id]  # a tensor or array that is a non-integer scalar or a matrix
     else:
         ids = list(eos_token_id)
     if not all(is_int(t) and 0 <= t < vocab_size for t in ids):

@@ -131,6 +131,7 @@ ONE_ID_FORMS = {
     "numpy int32": np.int32,
     "0-d tensor": torch.tensor,
     "0-d int32 tensor": lambda t: torch.tensor(t, dtype=torch.int32),
+    "0-d numpy array": np.array,
 }
 
 
@@ -144,8 +145,28 @@ def test_one_eos_id_of_any_integer_kind(step: ModuleType, form: str) -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [2.0, torch.tensor(2.0), "2", [1, 2.5], [-1], [CFG.vocab_size], torch.tensor([[1, 2]])],
-    ids=["float", "float tensor", "str", "float in list", "negative", "vocab", "2-d tensor"],
+    [
+        2.0,
+        torch.tensor(2.0),
+        "2",
+        [1, 2.5],
+        [-1],
+        [CFG.vocab_size],
+        torch.tensor([[1, 2]]),
+        np.array(True),
+        True,
+    ],
+    ids=[
+        "float",
+        "float tensor",
+        "str",
+        "float in list",
+        "negative",
+        "vocab",
+        "2-d tensor",
+        "numpy bool",
+        "bool",
+    ],
 )
 def test_what_is_not_an_eos_id_is_refused(bad: object) -> None:
     from step14_7 import PagedPrefixCacheEngine, TinyTransformerPaged
