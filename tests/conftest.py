@@ -6,6 +6,7 @@ Plain helper functions are in ``tests/helpers.py``; no test imports from this fi
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -51,3 +52,26 @@ def make_engine(step: ModuleType) -> Iterator[EngineFactory]:
     for engine in engines:
         if not engine.has_work:
             assert engine.ref_count_problems() == []
+
+
+@pytest.fixture(scope="session")
+def toy_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama checkpoint directory as ``save_pretrained`` writes it, with a word-level
+    ``tokenizer.json`` (the stand-in for a real checkpoint in the README's commands and the
+    trace of the text front end). Skips when the optional packages are missing."""
+    for package in ("transformers", "safetensors", "tokenizers"):
+        pytest.importorskip(package)
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    from common.config import preset
+    from common.hf import hf_llama
+
+    words = "<unk> <s> </s> the capital of france is water boils at you are a concise assistant"
+    vocab = {word: i for i, word in enumerate(words.split())}
+    folder = tmp_path_factory.mktemp("toy-llama")
+    hf_llama(preset("tiny", vocab_size=len(vocab))).save_pretrained(folder)
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder

@@ -117,27 +117,6 @@ def test_every_code_block_is_plain_or_python() -> None:
         assert languages <= {"python"}, (page_name(page), languages)
 
 
-@pytest.fixture(scope="module")
-def toy_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A Llama checkpoint directory as ``save_pretrained`` writes it, with a tokenizer.json."""
-    for package in sorted(OPTIONAL_PACKAGES):
-        pytest.importorskip(package)
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
-
-    from common.config import preset
-    from common.hf import hf_llama
-
-    words = "<unk> <s> </s> the capital of france is water boils at you are a concise assistant"
-    vocab = {word: i for i, word in enumerate(words.split())}
-    folder = tmp_path_factory.mktemp("toy-llama")
-    hf_llama(preset("tiny", vocab_size=len(vocab))).save_pretrained(folder)
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.normalizer = normalizers.Lowercase()
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.save(str(folder / "tokenizer.json"))
-    return folder
-
-
 @pytest.mark.parametrize(
     ("page", "index", "code"), BLOCKS, ids=[f"{page_name(p)}-{i + 1}" for p, i, _ in BLOCKS]
 )

@@ -232,26 +232,6 @@ def test_trace_png_without_matplotlib_says_how_to_get_it(
 # ---- the text front end -------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def toy_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Llama checkpoint with a word-level tokenizer (as tests/test_readme.py makes)."""
-    for package in ("transformers", "safetensors", "tokenizers"):
-        pytest.importorskip(package)
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
-
-    from common.hf import hf_llama
-
-    words = "<unk> <s> </s> the capital of france is water boils at you are a concise assistant"
-    vocab = {word: i for i, word in enumerate(words.split())}
-    folder = tmp_path_factory.mktemp("toy-llama")
-    hf_llama(preset("tiny", vocab_size=len(vocab))).save_pretrained(folder)
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.normalizer = normalizers.Lowercase()
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.save(str(folder / "tokenizer.json"))
-    return folder
-
-
 def test_the_text_front_end_traces_its_run(toy_checkpoint: Path, tmp_path: Path, capsys) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "text.png"
