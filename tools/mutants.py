@@ -6,7 +6,7 @@ suite must catch each of them: a mutant that survives names a promise no test pi
 here touches the working tree: the repository is copied to a temporary directory, and each
 mutant is planted in that copy and undone before the next.
 
-    python tools/mutants.py                      # every mutant (about half an hour)
+    python tools/mutants.py                      # every mutant (about an hour on 2 busy cores)
     python tools/mutants.py --only s14-kvm       # the mutants whose id starts with a prefix
     python tools/mutants.py --only s14_5,c-demo  # several prefixes
     python tools/mutants.py --list               # the mutants, each checked to still apply
