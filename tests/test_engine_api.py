@@ -137,6 +137,24 @@ def test_hit_rates_are_the_ratios_they_name(step: ModuleType) -> None:
     assert step.EngineStats().hit_rate == step.EngineStats().token_hit_rate == 0.0
 
 
+def test_rounds_and_sequences_per_round_are_counted_as_they_run(
+    step: ModuleType, make_engine: EngineFactory
+) -> None:
+    """rounds counts the rounds that ran a sequence, seqs_scheduled the sequences they ran, and
+    seqs_per_round is their ratio, not rounded. Two requests of 3 and 2 rounds side by side: 3
+    rounds, 5 sequences run; an idle step() adds nothing."""
+    engine = make_engine(max_running=2)
+    lives = [life_in_rounds(BS + 1, 2), life_in_rounds(1, 2)]
+    assert lives == [3, 2]
+    engine.generate([tokens(560, BS + 1), tokens(561, 1)], 2)
+    engine.step()
+    stats = engine.stats
+    assert (stats.rounds, stats.seqs_scheduled) == (3, 5)
+    assert stats.seqs_per_round == 5 / 3
+    assert step.EngineStats(rounds=4, seqs_scheduled=6).seqs_per_round == 1.5
+    assert step.EngineStats().seqs_per_round == 0.0
+
+
 def test_token_hit_rate_of_the_chapter_demo(make_engine: EngineFactory) -> None:
     """Served one at a time, the demo's first request misses and the nine others adopt the
     3-block prefix: token_hit_rate is 9 * 3 blocks / all prompt tokens. Hot, all ten hit, and

@@ -8,6 +8,8 @@ import re
 import pytest
 
 from common import demo
+from common.config import preset
+from common.stats import EngineStats
 from tests.helpers import STEP_NAMES
 
 ROUND = re.compile(
@@ -102,3 +104,59 @@ def test_demo_in_float16_reports_mismatches_and_says_why(capsys) -> None:
     out = capsys.readouterr().out
     assert "❌" not in out and "Every block's ref_count sane" in out
     assert ("⚠️" in out) == ("In float16, the same sums done in another order" in out)
+
+
+def test_small_pool_check_fails_on_wrong_tokens_or_broken_ref_counts() -> None:
+    """The small-pool line is ✅ only when the outputs are the reference's and every block is
+    back at rest; either failure makes it ❌ and fails the demo."""
+    stats = EngineStats(preemptions=2)
+    want = [[1, 2], [3, 4]]
+    assert demo.small_pool_check((want, ([], stats)), want, exact=True) == (
+        True,
+        "Small pool: outputs identical to the reference (2 preemptions) ✅",
+    )
+    ok, line = demo.small_pool_check(([[1, 2], [3, 5]], ([], stats)), want, exact=True)
+    assert not ok and line.endswith("❌")
+    broken = ["block 3: ref_count 2, expected 1"]
+    ok, line = demo.small_pool_check((want, (broken, stats)), want, exact=True)
+    assert not ok and "ref counts broken: block 3" in line and line.endswith("❌")
+
+
+def demo_rounds(**broken: object) -> dict[str, tuple[object, object]]:
+    """What ``run_rounds`` hands ``print_checks`` when every round went right, with the rounds
+    named in ``broken`` replaced."""
+    good, stats = [[1, 2], [3, 4]], EngineStats(blocks_free=512, preemptions=1)
+    rounds = {
+        "cold": (good, stats),
+        "hot": (good, stats),
+        "off": (good, stats),
+        "at_rest": ([], stats),
+        "batched": (good, stats),
+        "small_pool": (good, ([], stats)),
+        "reference": (good, None),
+    }
+    return {**rounds, **broken}
+
+
+BROKEN_ROUNDS = {
+    "hot-tokens": {"hot": ([[1, 2], [3, 5]], None)},
+    "ref-counts-at-rest": {"at_rest": (["block 7: ref_count 2, expected 1"], EngineStats())},
+    "batched-tokens": {"batched": ([[1, 2], [9, 4]], None)},
+    "reference-tokens": {"reference": ([[1, 2], [3, 3]], None)},
+    "small-pool-tokens": {"small_pool": ([[1, 2], [4, 3]], ([], EngineStats(preemptions=1)))},
+    "small-pool-ref-counts": {
+        "small_pool": ([[1, 2], [3, 4]], (["block 2: ref_count 1, expected 0"], EngineStats()))
+    },
+}
+
+
+@pytest.mark.parametrize("broken", BROKEN_ROUNDS.values(), ids=BROKEN_ROUNDS.keys())
+def test_the_demo_fails_when_any_check_fails(broken: dict, capsys) -> None:
+    """The demo's exit status is its checks': 0 when all five pass, 1 (and a ❌) when any
+    one fails, whichever it is."""
+    cfg = preset("demo")
+    assert demo.print_checks(cfg, demo_rounds()) == 0
+    out = capsys.readouterr().out
+    assert out.count("✅") == 5 and "❌" not in out
+    assert demo.print_checks(cfg, demo_rounds(**broken)) == 1
+    assert "❌" in capsys.readouterr().out

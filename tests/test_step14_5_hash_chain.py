@@ -72,6 +72,25 @@ def test_each_full_block_is_hashed_once_from_step14_5(
         ]
 
 
+def test_a_preempted_request_keeps_its_hash_chain(
+    step: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tokens never change, so a sequence's hashes stay valid across a preemption: from
+    step14_5 a request that is preempted and resumed hashes no block again. In a pool that
+    makes the engine preempt, hash_block runs once per full block of each request, as it does
+    without preemption."""
+    requires_fix(step, "step14_5")
+    cfg = tiny_config(total_blocks=6)
+    prompts = [tokens(595 + i, 2 * BS - 1) for i in range(4)]
+    calls = count_hash_calls(monkeypatch)
+    engine = step.PagedPrefixCacheEngine(step.TinyTransformerPaged(cfg), max_running=3)
+    outputs = engine.generate(prompts, 6)
+    assert outputs == reference_tokens(cfg, prompts, 6)
+    assert engine.stats.preemptions > 0
+    full_blocks = sum((len(p) + len(out) - 1) // BS for p, out in zip(prompts, outputs))
+    assert calls[0] == full_blocks
+
+
 def test_sequence_hash_chain_is_the_chain_hash_of_its_tokens(step: ModuleType) -> None:
     """From step14_5 a Sequence keeps its blocks' chain hashes (prompt and output alike):
     extending it to n blocks gives exactly common.hashing's first n hashes, and a later, longer

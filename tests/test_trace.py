@@ -141,6 +141,43 @@ def test_full_blocks_the_cache_refuses_are_named(step: ModuleType) -> None:
     assert f"full [{orphans[0]}] not cached (the block before it is not)" in text
 
 
+def test_a_preempted_request_resumes_and_is_aborted_in_the_trace(step: ModuleType) -> None:
+    """A request preempted once is traced "preempted", then "resumed" (not "new") when it is
+    admitted again; preempted a second time and aborted from the queue, it is traced "aborted",
+    between rounds, with nothing left to free."""
+    cfg = tiny_config(block_size=BS, total_blocks=6)
+    engine = step.PagedPrefixCacheEngine(step.TinyTransformerPaged(cfg), max_running=3)
+    guard_against_hangs(engine)
+    tracer = RoundTracer(engine)
+    for i in range(3):
+        engine.add_request(shared_prefix_prompts(i, 1)[0][: 2 * BS - 1], 12)
+
+    def preempted(times: int):
+        return [s for s in engine.scheduler.waiting if s.num_preemptions == times]
+
+    while not preempted(1):
+        engine.step()
+    (victim,) = preempted(1)
+    while victim.status.name == "PREEMPTED":
+        engine.step()
+    admissions = [w for r in tracer.rounds for w in r.work if w.seq_id == victim.seq_id]
+    assert [(w.new, w.resumed) for w in admissions if w.new or w.resumed] == [
+        (True, False),
+        (False, True),
+    ]
+    while victim not in preempted(2):
+        engine.step()
+    engine.abort(victim.seq_id)
+    last = tracer.rounds[-1]
+    assert last.between and [(w.seq_id, w.ended, w.freed) for w in last.work] == [
+        (victim.seq_id, "aborted", [])
+    ]
+    assert "aborted: frees nothing" in format_trace([last])
+    while engine.has_work:
+        engine.step()
+    assert engine.ref_count_problems() == []
+
+
 def test_detach_gives_the_engine_its_own_methods_back(step: ModuleType) -> None:
     engine = step.PagedPrefixCacheEngine(step.TinyTransformerPaged(tiny_config()))
     guard_against_hangs(engine)  # an instance attribute of its own: it must survive
