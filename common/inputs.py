@@ -66,8 +66,10 @@ def check_requests(
     """``check_request`` for every prompt of a batch, before any is queued: a bad one leaves
     the engine untouched. The checked requests are what the engine queues (a prompt given as
     a one-shot iterator is read once)."""
-    if isinstance(prompts, (str, bytes)):
-        raise ValueError("prompts must be a list of prompts (lists of token ids), not text")
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
+        raise ValueError(
+            f"prompts must be a list of prompts (lists of token ids), got {type(prompts).__name__}"
+        )
     return [check_request(p, max_new_tokens, eos_token_id, cfg) for p in prompts]
 
 

@@ -218,13 +218,16 @@ def test_a_one_shot_iterable_prompt_is_served_or_refused_whole(
     assert outputs == reference_tokens(CFG, [GOOD, QUEUED], MAX_NEW)
 
 
-@pytest.mark.parametrize("text", ["hello", "", b"\x01\x02"], ids=["str", "empty-str", "bytes"])
+@pytest.mark.parametrize(
+    "text", ["hello", "", b"\x01\x02", 5, None], ids=["str", "empty-str", "bytes", "int", "none"]
+)
 @pytest.mark.parametrize("serial", [False, True], ids=["generate", "generate_serial"])
 def test_text_in_place_of_the_list_of_prompts_is_refused(
     make_engine: EngineFactory, text: object, serial: bool
 ) -> None:
     """generate takes a list of prompts: text in its place is refused with an error that says
-    so, not read as one prompt per character (an empty string is not an empty batch)."""
+    so, not read as one prompt per character (an empty string is not an empty batch), and so
+    is a lone number or None, with a ValueError like every other bad input."""
     engine = make_engine(CFG)
     run = engine.generate_serial if serial else engine.generate
     with pytest.raises(ValueError, match="list of prompts"):
