@@ -503,8 +503,8 @@ MUTANTS = [
       "return frozenset(int(t) for t in ids)", "return frozenset(int(t) for t in ids[:1])",
       "only the first of several eos ids is kept"),
     M("c-inputs-prompts-str", "step14", "common/inputs.py",
-      "    if isinstance(prompts, (str, bytes)):\n"
-      "        raise ValueError(\"prompts must be a list of prompts (lists of token ids), not text\")\n", "",
+      "if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):",
+      "if not isinstance(prompts, Iterable):",
       "generate accepts a str for its list of prompts"),
     # ---- common/stats.py: EngineStats' derived figures ------------------------------------------
     M("c-stats-seqs-per-round", "step14", "common/stats.py",
