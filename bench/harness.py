@@ -23,7 +23,8 @@ from .costs import TokenWork, counting, model_flops, paged_kv_bytes, wait_for
 
 SHARED_PREFIX = "shared-prefix"
 PRESSURE = "pressure"
-WORKLOADS = (SHARED_PREFIX, PRESSURE)
+SCALE = "scale"  # bench/scale.py
+WORKLOADS = (SHARED_PREFIX, PRESSURE, SCALE)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from . import report
 from .costs import matmul_gflops
 from .harness import (
     PRESSURE,
+    SCALE,
     SHARED_PREFIX,
     WORKLOADS,
     RunResult,
@@ -42,6 +43,7 @@ from .harness import (
 from .hf import hf_runner
 from .progress import Progress
 from .rows import Row
+from .scale import ScaleWorkload, run_scale_bench
 
 PROG = "python -m bench"
 
@@ -70,6 +72,13 @@ no warm prefix or no cache row (there is no shared prefix), and no Hugging Face 
 batched generate cannot stop each request at its own eos). The requests/round and
 preemptions columns show how many requests memory on demand runs at once, and a line under
 the table how many worst-case reservation would (prompt + max new tokens reserved for each).
+
+--workload scale: the engine's own cost, not the model's. Distinct short prompts on a
+one-layer model (the toy preset): time per request as the requests grow (--sweep-requests)
+and as the cache already holds more blocks (--sweep-cached, served --sweep-requests' first
+count of requests). Every block operation is O(1), so every row stays flat; the last column
+is the growth from the smallest size to the largest. Results go to --out: scale.json, and
+scale.png when matplotlib is installed.
 
 The first row and the Hugging Face row get one untimed warm-up run (one-time setup). Each row
 shows its fastest run (min s: the work is the same every run, so a slower run only
@@ -111,12 +120,24 @@ def step_list(text: str) -> list[str]:
     return names
 
 
+UNUSED = "unused"  # a flag's value for a workload that does not read it: giving it is an error
+
+
+def unused_because(flag: str, workload: str) -> str:
+    """Why ``workload`` does not read ``flag``."""
+    if flag.startswith("--sweep-"):
+        return "only --workload scale reads it"
+    if workload == SCALE and flag in ("--requests", "--total-blocks"):
+        return "--workload scale sizes its own runs (--sweep-requests, --sweep-cached)"
+    return f"--workload {workload} draws its own prompts (no shared prefix)"
+
+
 class PerWorkload:
-    """A flag's default that depends on ``--workload``; ``--help`` shows both. A value still of
+    """A flag's default that depends on ``--workload``; ``--help`` shows each. A value still of
     this type after parsing was not given on the command line."""
 
-    def __init__(self, shared_prefix: int | None, pressure: int | None, none: str = "") -> None:
-        self.values = {SHARED_PREFIX: shared_prefix, PRESSURE: pressure}
+    def __init__(self, shared_prefix: object, pressure: object, scale: object, none: str = ""):
+        self.values = {SHARED_PREFIX: shared_prefix, PRESSURE: pressure, SCALE: scale}
         self.none = none  # what None means, for --help
 
     def __str__(self) -> str:
@@ -126,42 +147,58 @@ class PerWorkload:
         )
 
 
+def size_list(text: str) -> tuple[int, ...]:
+    """``--sweep-requests`` / ``--sweep-cached``: sizes, comma-separated, in increasing order."""
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers"
+        ) from None
+    if any(size < 0 for size in sizes):
+        raise argparse.ArgumentTypeError(f"sizes must be >= 0, got {text!r}")
+    if len(sizes) < 2 or list(sizes) != sorted(set(sizes)):
+        raise argparse.ArgumentTypeError(f"give two or more sizes, increasing: got {text!r}")
+    return sizes
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The flags, every value checked here: a bad one exits 2 with one ``error:`` line."""
     p = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, formatter_class=HelpFormatter)
-    w, pw = Workload(), pressure_workload()
+    w, pw, sw = Workload(), pressure_workload(), ScaleWorkload()
     p.add_argument(
         "--workload",
         choices=WORKLOADS,
         default=SHARED_PREFIX,
         help="shared-prefix: requests behind one long prefix, all at once (speed); pressure: "
-        "short answers asked with a long --new-tokens in a small pool (memory)",
+        "short answers asked with a long --new-tokens in a small pool (memory); scale: time "
+        "per request as the requests and the cache grow (the engine's own cost)",
     )
     p.add_argument(
         "--requests",
         type=positive_int,
-        default=PerWorkload(w.num_requests, pw.num_requests),
+        default=PerWorkload(w.num_requests, pw.num_requests, UNUSED),
         metavar="N",
         help="requests",
     )
     p.add_argument(
         "--prefix-len",
         type=non_negative_int,
-        default=PerWorkload(w.prefix_len, None, "unused"),
+        default=PerWorkload(w.prefix_len, UNUSED, UNUSED),
         metavar="N",
         help="tokens of the prefix every request shares",
     )
     p.add_argument(
         "--tail-len",
         type=non_negative_int,
-        default=PerWorkload(w.tail_len, None, "unused"),
+        default=PerWorkload(w.tail_len, UNUSED, UNUSED),
         metavar="N",
         help="tokens of each request's own after the prefix",
     )
     p.add_argument(
         "--new-tokens",
         type=positive_int,
-        default=PerWorkload(w.max_new_tokens, pw.max_new_tokens),
+        default=PerWorkload(w.max_new_tokens, pw.max_new_tokens, sw.max_new_tokens),
         metavar="N",
         help="tokens generated per request (max_new_tokens: with pressure, each request stops "
         "at its eos long before)",
@@ -169,7 +206,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--max-running",
         type=non_negative_int,
-        default=PerWorkload(0, pw.max_running),
+        default=PerWorkload(0, pw.max_running, sw.max_running),
         metavar="N",
         help="requests the engine runs at once at most (0: all of them, as HF runs them in "
         "one batch)",
@@ -177,22 +214,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--block-size",
         type=positive_int,
-        default=PerWorkload(16, 4),
+        default=PerWorkload(16, 4, 4),
         metavar="N",
         help="tokens per KV block",
     )
     p.add_argument(
         "--total-blocks",
         type=positive_int,
-        default=PerWorkload(None, pw.total_blocks, "room for every request at once"),
+        default=PerWorkload(None, pw.total_blocks, UNUSED, "room for every request at once"),
         metavar="N",
         help="KV blocks in the pool; at least what the largest request holds at the end of its "
         "longest life (prompt + new tokens)",
     )
     p.add_argument(
+        "--sweep-requests",
+        type=size_list,
+        default=PerWorkload(UNUSED, UNUSED, ",".join(map(str, sw.requests))),
+        metavar="N,N,...",
+        help="scale: requests per run of the requests sweep; the first is also the requests "
+        "of every run of the cached sweep",
+    )
+    p.add_argument(
+        "--sweep-cached",
+        type=size_list,
+        default=PerWorkload(UNUSED, UNUSED, ",".join(map(str, sw.cached))),
+        metavar="N,N,...",
+        help="scale: blocks already in the cache, one run each, in a pool with room for the "
+        "running requests only (every allocation evicts once the free pool is gone)",
+    )
+    p.add_argument(
         "--model",
         type=model_name,
-        default="demo",
+        default=PerWorkload("demo", "demo", "toy"),
         metavar="PRESET|DIR",
         help=f"the model: a config preset ({', '.join(PRESETS)}) or a local Hugging Face Llama "
         "checkpoint directory (its weights; the prompts stay random token ids)",
@@ -241,14 +294,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="no status line on stderr while a slow row runs (it is shown only on a terminal)",
     )
     args = p.parse_args(argv)
-    if args.workload == PRESSURE:
-        given = [f for f in ("prefix_len", "tail_len") if not is_default(getattr(args, f))]
-        if given:
-            flags = " and ".join("--" + f.replace("_", "-") for f in given)
-            p.error(f"{flags}: --workload pressure draws its own prompts (no shared prefix)")
+    refuse_unused_flags(p, args)
     for name, value in vars(args).items():
         if is_default(value):
             setattr(args, name, value.values[args.workload])
+    if args.workload == SCALE:
+        for name in ("sweep_requests", "sweep_cached"):
+            if isinstance(getattr(args, name), str):  # the default, still text
+                setattr(args, name, size_list(getattr(args, name)))
+        if args.model not in PRESETS:
+            p.error("--model: --workload scale runs on a preset (the prompts are random ids)")
+        return args
     if args.workload == SHARED_PREFIX and args.prefix_len + args.tail_len == 0:
         p.error("--prefix-len and --tail-len are both 0: a prompt needs at least one token")
     workload = workload_of(args)
@@ -260,6 +316,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             f"{workload.max_new_tokens} new tokens); the engine would refuse it"
         )
     return args
+
+
+def refuse_unused_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Flags given on the command line that the chosen workload does not read: one ``error:``
+    line, rather than a run that silently ignores them."""
+    reasons: dict[str, list[str]] = {}
+    for name, value in vars(args).items():
+        default = p.get_default(name)
+        unused = isinstance(default, PerWorkload) and default.values[args.workload] == UNUSED
+        if unused and not is_default(value):
+            flag = "--" + name.replace("_", "-")
+            reasons.setdefault(unused_because(flag, args.workload), []).append(flag)
+    for reason, flags in reasons.items():
+        p.error(f"{' and '.join(flags)}: {reason}")
 
 
 def is_default(value: object) -> bool:
@@ -376,6 +446,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     progress = Progress(enabled=False if args.quiet else None)
+    if args.workload == SCALE:
+        return run_scale_bench(args, progress)
     workload = workload_of(args)
     with progress.task(f"loading {args.model}"):
         cfg, weights = load_model(args, workload)

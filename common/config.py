@@ -165,6 +165,17 @@ PRESETS: dict[str, ModelConfig] = {
         block_size=4,
         total_blocks=128,
     ),
+    # One layer of tiny: the model's share of a request is small, so the engine's own cost
+    # shows (python -m bench --workload scale), and a pool of a million blocks takes 2 GiB.
+    "toy": ModelConfig(
+        vocab_size=512,
+        d_model=64,
+        num_heads=4,
+        num_layers=1,
+        d_ff=172,
+        block_size=4,
+        total_blocks=128,
+    ),
     # The chapter's demo (python -m stepN.run).
     "demo": ModelConfig(),
     # The side-by-side benchmark: big enough that the model's work is not all Python overhead.

@@ -43,7 +43,8 @@ class KVCacheManager:
 
     @property
     def num_available_blocks(self) -> int:
-        """Blocks an allocation could get: the free pool, plus cached blocks no request holds."""
+        """Blocks an allocation could get: the free pool, plus cached blocks no request holds.
+        Two counters, read at every allocation: it must not count the cache block by block."""
         evictable = self.prefix_cache.num_evictable if self.prefix_cache is not None else 0
         return self.block_manager.num_free + evictable
 
@@ -127,6 +128,8 @@ class KVCacheManager:
                 return False
         for block_id in computed_blocks:
             self.block_manager.retain(block_id)
+        if computed_blocks:  # held by a request now: out of the eviction queue
+            self.prefix_cache.touch(computed_blocks)
         seq.block_table += computed_blocks
         seq.hit_block_ids += computed_blocks
         if missing > 0:
@@ -143,12 +146,12 @@ class KVCacheManager:
         """The chapter's ``_free_seq``: drop the sequence's references. Adopted blocks go back
         to the cache's sole ownership, blocks it allocated are freed (those the cache took
         stay, with ref_count 1)."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.touch(seq.block_table[::-1])  # tail first: evicted first
         for block_id in seq.hit_block_ids:
             self.block_manager._blocks[block_id].ref_count -= 1
         hits = set(seq.hit_block_ids)
         self.block_manager.free([b for b in seq.block_table if b not in hits])
+        if self.prefix_cache is not None:  # cache-only blocks join the eviction queue,
+            self.prefix_cache.touch(seq.block_table[::-1])  # tail first: evicted first
         seq.block_table, seq.hit_block_ids = [], []
 
     # ---- what the pool looks like -----------------------------------------------------------

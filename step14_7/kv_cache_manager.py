@@ -42,7 +42,8 @@ class KVCacheManager:
 
     @property
     def num_available_blocks(self) -> int:
-        """Blocks an allocation could get: the free pool, plus cached blocks no request holds."""
+        """Blocks an allocation could get: the free pool, plus cached blocks no request holds.
+        Two counters, read at every allocation: it must not count the cache block by block."""
         evictable = self.prefix_cache.num_evictable if self.prefix_cache is not None else 0
         return self.block_manager.num_free + evictable
 
@@ -124,6 +125,8 @@ class KVCacheManager:
                 return False
         for block_id in computed_blocks:
             self.block_manager.retain(block_id)
+        if computed_blocks:  # held by a request now: out of the eviction queue
+            self.prefix_cache.touch(computed_blocks)
         seq.block_table += computed_blocks
         seq.hit_block_ids += computed_blocks
         if missing > 0:
@@ -138,13 +141,13 @@ class KVCacheManager:
 
     def free(self, seq: Sequence) -> None:
         """The chapter's ``_free_seq``: drop the sequence's references."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.touch(seq.block_table[::-1])  # tail first: evicted first
         # Adopted or allocated, each block holds one reference of this sequence: release() is
         # the mirror of the retain() at adoption and of allocate(). A block the cache also holds
         # stays (ref_count 1); the others go back to the free pool.
         for block_id in seq.block_table:
             self.block_manager.release(block_id)
+        if self.prefix_cache is not None:  # cache-only blocks join the eviction queue,
+            self.prefix_cache.touch(seq.block_table[::-1])  # tail first: evicted first
         seq.block_table, seq.hit_block_ids = [], []
 
     # ---- what the pool looks like -----------------------------------------------------------

@@ -6,7 +6,8 @@
 - requests: ``tokens``, ``blocks_needed``, ``life_in_rounds``, ``truncate_at``;
 - driving an engine: ``run_rounds``, ``log_schedules``, ``guard_against_hangs``,
   ``assert_engine_matches_reference``;
-- a step's files as they are on disk: ``step_files``, ``function_tree``, ``python_loops``.
+- a step's files as they are on disk: ``step_files``, ``function_tree``, ``python_loops``;
+- the command line: ``bench_usage_error``.
 """
 
 from __future__ import annotations
@@ -206,3 +207,21 @@ def python_loops(function: ast.FunctionDef) -> list[str]:
     """The Python-level loops of a function: ``for``, ``while`` and comprehensions."""
     kinds = (ast.For, ast.While, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
     return [ast.unparse(n).split("\n")[0] for n in ast.walk(function) if isinstance(n, kinds)]
+
+
+# ---- the command line ---------------------------------------------------------------------------
+
+
+def bench_usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """``python -m bench argv`` must exit 2 before any work, with one ``error:`` line."""
+    from bench import showcase
+
+    with pytest.raises(SystemExit) as info:
+        showcase.main(argv)
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    errors = [line for line in captured.err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and captured.err.splitlines()[-1] == errors[0], captured.err
+    assert errors[0].startswith("python -m bench: error:")
+    return errors[0]

@@ -31,20 +31,7 @@ from bench.harness import (
 from common.config import preset
 from common.inputs import blocks_for_request
 from common.workload import pressure_prompt_lengths, pressure_prompts
-from tests.helpers import STEP_NAMES
-
-
-def usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    """``python -m bench argv`` must exit 2 before any work, with one ``error:`` line."""
-    with pytest.raises(SystemExit) as info:
-        showcase.main(argv)
-    assert info.value.code == 2
-    captured = capsys.readouterr()
-    assert captured.out == "" and "Traceback" not in captured.err
-    errors = [line for line in captured.err.splitlines() if "error:" in line]
-    assert len(errors) == 1 and captured.err.splitlines()[-1] == errors[0], captured.err
-    assert errors[0].startswith("python -m bench: error:")
-    return errors[0]
+from tests.helpers import STEP_NAMES, bench_usage_error
 
 
 @pytest.fixture
@@ -104,7 +91,7 @@ def test_worst_case_reservation_runs_about_two_at_a_time() -> None:
 def test_a_pool_too_small_for_the_largest_request_is_refused(
     argv: list[str], need: str, capsys
 ) -> None:
-    line = usage_error(argv, capsys)
+    line = bench_usage_error(argv, capsys)
     blocks = argv[argv.index("--total-blocks") + 1]
     assert f"--total-blocks {blocks} is too small: the largest request {need}" in line, line
     assert "the engine would refuse it" in line
@@ -123,7 +110,7 @@ def test_a_pool_too_small_for_the_largest_request_is_refused(
     ids=["zero", "float", "workload", "prefix-len", "tail-len"],
 )
 def test_bad_pressure_flags_are_one_error_line(argv: list[str], message: str, capsys) -> None:
-    line = usage_error(argv, capsys)
+    line = bench_usage_error(argv, capsys)
     assert message in line, line
 
 
@@ -132,13 +119,16 @@ def test_a_pool_exactly_the_largest_request_is_accepted() -> None:
     assert args.total_blocks == 19 == showcase.workload_of(args).largest_request_blocks(4)
 
 
-def test_help_names_both_defaults(capsys) -> None:
+def test_help_names_each_workloads_default(capsys) -> None:
     with pytest.raises(SystemExit):
         showcase.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "(default: 16 for shared-prefix, 24 for pressure)" in text
-    assert "(default: room for every request at once for shared-prefix, 48 for pressure)" in text
-    assert "(default: 256 for shared-prefix, unused for pressure)" in text
+    assert "(default: 16 for shared-prefix, 24 for pressure, unused for scale)" in text
+    assert (
+        "(default: room for every request at once for shared-prefix, 48 for pressure, "
+        "unused for scale)"
+    ) in text
+    assert "(default: 256 for shared-prefix, unused for pressure, unused for scale)" in text
 
 
 # ---- every step on the pressure workload -------------------------------------------------------

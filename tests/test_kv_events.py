@@ -27,10 +27,10 @@ BS = 4
 def cache_content(engine) -> dict:
     """The prefix cache's content, read from its internals: hash -> (parent hash, tokens)."""
     pc = engine.kv_cache_manager.prefix_cache
-    assert {e.block_id for e in pc._by_hash.values()} == set(pc._lru)
+    assert {e.block_id for e in pc._by_hash.values()} == set(pc._by_block)
     return {
         e.block_hash: (
-            pc._lru[e.parent_id].block_hash if e.parent_id is not None else None,
+            pc._by_block[e.parent_id].block_hash if e.parent_id is not None else None,
             tuple(e.token_ids),
         )
         for e in pc._by_hash.values()

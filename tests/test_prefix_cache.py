@@ -359,7 +359,8 @@ def cache_alone(step, total_blocks: int = 8):
 
 def cache_chain(block_manager, cache, token_ids: list[int]) -> list[int]:
     """Cache the full blocks of ``token_ids`` as one chain, the way a request does (allocate,
-    insert each block behind the one before), then let the request go: ref_count 1 each."""
+    insert each block behind the one before), then let the request go (``free``, then ``touch``
+    tail first, as ``KVCacheManager.free`` does): ref_count 1 each, all evictable."""
     hashes = hashing.hash_prefix_blocks(token_ids, BS)
     ids = block_manager.allocate(len(hashes))
     parent = None
@@ -367,6 +368,7 @@ def cache_chain(block_manager, cache, token_ids: list[int]) -> list[int]:
         assert cache.insert(block_hash, block_id, token_ids[i * BS : (i + 1) * BS], parent)
         parent = block_id
     block_manager.free(ids)
+    cache.touch(ids[::-1])
     return ids
 
 
@@ -387,12 +389,18 @@ def evict_one_by_one(block_manager, cache, n: int) -> list[int]:
     return order
 
 
-def test_evict_takes_only_leaves_even_when_the_head_is_least_recent(step) -> None:
-    """Leaf-only eviction on its own: a chain touched head first (so its head is the least
-    recently used block) still loses its tail first; a cached block never outlives its parent."""
+def test_evict_goes_tail_first_and_never_strands_a_block(step) -> None:
+    """A chain let go of tail first loses its tail first. Let go of head first (which no
+    request does: it holds the chain before each block it holds), the head would be the least
+    recently used block: eviction refuses rather than strand its children, and changes
+    nothing."""
     block_manager, cache = cache_alone(step)
     chain = cache_chain(block_manager, cache, tokens(20, 3 * BS))
     cache.touch(chain)  # head first: the head is now least recently used
+    with pytest.raises(RuntimeError, match="children"):
+        cache.evict(1)
+    assert (len(cache), cache.num_evictable, cache.num_evictions) == (3, 3, 0)
+    cache.touch(chain[::-1])
     assert evict_one_by_one(block_manager, cache, 3) == chain[::-1]
     assert cache.num_evictions == 3 and len(cache) == 0
 
@@ -412,9 +420,10 @@ def test_evict_skips_blocks_a_request_holds_and_refuses_when_none_is_left(step) 
     block_manager, cache = cache_alone(step)
     held = cache_chain(block_manager, cache, tokens(23, BS))
     loose = cache_chain(block_manager, cache, tokens(24, 2 * BS))
-    block_manager.retain(held[0])  # a request adopts it
+    block_manager.retain(held[0])  # a request adopts it (KVCacheManager.allocate_slots)...
+    assert cache.num_evictable == 3
+    cache.touch(held)  # ...and tells the cache: the oldest block, but a request holds it
     assert cache.num_evictable == 2
-    cache.touch(held)  # the least recently used block, but a request holds it
     cache.touch(loose[::-1])
     assert evict_one_by_one(block_manager, cache, 2) == loose[::-1]
     assert cache.num_evictable == 0
