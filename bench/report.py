@@ -249,6 +249,17 @@ def phases(seconds: dict[str, float]) -> str:
     return line
 
 
+def machine() -> dict[str, object]:
+    """What a saved run was measured on: the platform, the versions, torch's thread count."""
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+
+
 def save(
     out: str,
     cfg: ModelConfig,
@@ -266,11 +277,7 @@ def save(
     data = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
+            **machine(),
             "matmul_gflops": machine_gflops,
             "matmul": f"{MATMUL_N}x{MATMUL_N} float32",
         },

@@ -34,15 +34,17 @@ from pathlib import Path
 
 import torch
 
-from common.config import ModelConfig
+from common.config import DTYPES, ModelConfig, preset
 from common.inputs import blocks_for_request
 from common.reference import ReferenceModel, reference_generate
 from common.steps import load_step
 
 from .costs import wait_for
 from .progress import Progress
+from .report import machine
 
 REQUESTS, CACHED = "requests", "cached"
+CELL = 18  # characters per column of the tables
 PROMPT_LENGTHS = (5, 8)  # tokens: two blocks of the toy model's four
 FILLER_CHAIN = 4  # blocks per filler request
 FILLER_TOKEN = 1 << 40  # filler token ids start here: beyond every vocabulary
@@ -244,16 +246,16 @@ def table(cells: list[Cell], steps: list[str], sweep: str) -> str:
     sizes = sorted({c.size for c in cells if c.sweep == sweep})
     by_key = {(c.step, c.size): c for c in cells if c.sweep == sweep}
     heading = "requests served" if sweep == REQUESTS else "blocks already cached"
-    header = f"  {'step':<10}" + "".join(f"{size:>16,}" for size in sizes)
-    header += f"{f'{sizes[-1]:,} vs {sizes[0]:,}':>20}"
+    header = f"  {'step':<10}" + "".join(f"{size:>{CELL},}" for size in sizes)
+    header += f"{f'{sizes[-1]:,} vs {sizes[0]:,}':>{CELL}}"
     lines = [f"  {heading}: ms per request, total (the engine's own)", header]
     for step in steps:
         row = f"  {step:<10}"
         for size in sizes:
             cell = by_key[step, size]
-            best = cell.best
-            row += f"{f'{cell.total_ms[best]:.3f} ({cell.engine_ms[best]:.3f})':>16}"
-        lines.append(row + f"{growth(cells, step, sweep):>19.2f}x")
+            figures = f"{cell.total_ms[cell.best]:.3f} ({cell.engine_ms[cell.best]:.3f})"
+            row += f"{figures:>{CELL}}"
+        lines.append(row + f"{growth(cells, step, sweep):>{CELL - 1}.2f}x")
     return "\n".join(lines)
 
 
@@ -271,19 +273,11 @@ def report(cells: list[Cell], steps: list[str], workload: ScaleWorkload) -> str:
 def save(out: str, cfg: ModelConfig, workload: ScaleWorkload, cells: list[Cell]) -> Path:
     """``scale.json`` (every repeat of every cell, the settings) and, with matplotlib,
     ``scale.png``."""
-    import platform
-
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     data = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-        },
+        "machine": machine(),
         "settings": {
             "workload": asdict(workload),
             "model": {k: str(v) for k, v in asdict(cfg).items() if k != "total_blocks"},
@@ -311,7 +305,10 @@ def chart(path: Path, cells: list[Cell]) -> None:
     steps = list(dict.fromkeys(c.step for c in cells))
     for col, sweep in enumerate(sweeps):
         for row, (what, label) in enumerate(
-            [("total_ms", "ms per request, total"), ("engine_ms", "the engine's own")]
+            [
+                ("total_ms", "ms per request, total"),
+                ("engine_ms", "ms per request, the engine's own"),
+            ]
         ):
             ax = axes[row][col]
             for step in steps:
@@ -324,7 +321,10 @@ def chart(path: Path, cells: list[Cell]) -> None:
                     marker="o",
                     label=step,
                 )
-            ax.set_xscale("symlog", linthresh=1000)
+            sizes = sorted({c.size for c in cells if c.sweep == sweep})
+            ax.set_xscale("symlog", linthresh=max(1, min(s for s in sizes if s) // 2))
+            ax.set_xticks(sizes, [f"{s:,}" for s in sizes])
+            ax.minorticks_off()
             ax.set_ylim(bottom=0)
             ax.set_ylabel(label)
             ax.set_xlabel("requests served" if sweep == REQUESTS else "blocks already cached")
@@ -339,8 +339,6 @@ def chart(path: Path, cells: list[Cell]) -> None:
 def run_scale_bench(args, progress: Progress) -> int:
     """``python -m bench --workload scale``: both sweeps, the tables, ``scale.json``; 0 when
     every cell's tokens equal the dense reference's and every step's stats agree."""
-    from common.config import DTYPES, preset
-
     workload = ScaleWorkload(
         requests=args.sweep_requests,
         cached=args.sweep_cached,

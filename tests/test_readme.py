@@ -322,3 +322,40 @@ def test_results_tables_show_the_saved_run(page: Path) -> None:
     assert f"Measured on {RESULTS['date'].split()[0]}" in text
     assert f"Python {machine['python']}, torch {machine['torch']}" in text
     assert machine["threads"] == 1 and "one torch thread" in text
+
+
+SCALE = json.loads((DOCS / "scale-cpu.json").read_text())
+
+
+def scale_growth(sweep: str) -> dict[str, float]:
+    """Each step's fastest time per request at the sweep's largest size over its smallest, in
+    docs/scale-cpu.json."""
+    growth = {}
+    for step in dict.fromkeys(c["step"] for c in SCALE["cells"]):
+        mine = sorted(
+            (c for c in SCALE["cells"] if c["step"] == step and c["sweep"] == sweep),
+            key=lambda c: c["size"],
+        )
+        growth[step] = min(mine[-1]["total_ms"]) / min(mine[0]["total_ms"])
+    return growth
+
+
+def test_scale_figures_are_those_of_the_saved_run() -> None:
+    """docs/benchmarks.md's scale table and the top README's "at most" growths are
+    docs/scale-cpu.json's figures, from a one-thread run of every step."""
+    text = TEXT[DOCS / "benchmarks.md"]
+    assert SCALE["machine"]["threads"] == 1
+    assert list(dict.fromkeys(c["step"] for c in SCALE["cells"])) == STEPS
+    for sweep in ("requests", "cached"):
+        for step, growth in scale_growth(sweep).items():
+            row = next(line for line in text.splitlines() if line.startswith(f"| {step} | "))
+            assert f" {growth:.2f}x |" in row, (step, sweep, row)
+    for cell in SCALE["cells"]:
+        best = min(range(len(cell["total_ms"])), key=cell["total_ms"].__getitem__)
+        shown = f"{cell['total_ms'][best]:.3f} ({cell['engine_ms'][best]:.3f})"
+        row = next(line for line in text.splitlines() if line.startswith(f"| {cell['step']} | "))
+        assert shown in row, (cell["step"], cell["sweep"], cell["size"])
+    readme = " ".join(TEXT[README].split())
+    for sweep in ("requests", "cached"):
+        assert f"(at most {max(scale_growth(sweep).values()):.2f}×)" in readme, sweep
+    assert f"Measured on {SCALE['date'].split()[0]}" in text
