@@ -9,15 +9,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.config import ModelConfig, preset
-from common.inputs import blocks_for_request
-from common.steps import load_step
-from common.workload import (
+from common.front.steps import load_step
+from common.front.workload import (
     PRESSURE_EOS_AT,
     bench_prompts,
     pressure_eos,
     pressure_prompt_lengths,
     pressure_prompts,
 )
+from common.inputs import blocks_for_request
 
 from .costs import TokenWork, counting, model_flops, paged_kv_bytes, wait_for
 

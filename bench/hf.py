@@ -1,7 +1,7 @@
 """The optional Hugging Face row: ``LlamaForCausalLM.generate`` on the same weights and prompts.
 
 Our parameter names are HF's, so the very same state dict loads into ``LlamaForCausalLM``
-(``common.hf``, which the tests also use as their outside oracle). It runs when
+(``common.front.hf``, which the tests also use as their outside oracle). It runs when
 ``transformers`` is installed (``pip install -e '.[hf]'``).
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from common.config import ModelConfig
-from common.hf import default_max_positions, hf_llama
+from common.front.hf import default_max_positions, hf_llama
 
 from .costs import dense_kv_bytes, dense_work, model_flops, wait_for
 from .harness import RunResult, Workload

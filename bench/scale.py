@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 
 from common.config import DTYPES, ModelConfig, preset
+from common.front.steps import load_step
 from common.inputs import blocks_for_request
 from common.reference import ReferenceModel, reference_generate
-from common.steps import load_step
 
 from .costs import wait_for
 from .progress import Progress

@@ -11,7 +11,9 @@ from contextlib import contextmanager
 
 import torch
 
-from common.cli import (
+from common.config import DTYPES, PRESETS, ModelConfig
+from common.errors import report_user_errors
+from common.front.cli import (
     HelpFormatter,
     device_name,
     dtype_name,
@@ -19,12 +21,10 @@ from common.cli import (
     positive_int,
     writable_folder,
 )
-from common.config import DTYPES, PRESETS, ModelConfig
-from common.errors import report_user_errors
+from common.front.steps import FIXES, available_steps
+from common.front.text import model_dir_arg
+from common.front.workload import PRESSURE_EOS_AT
 from common.reference import ReferenceModel, reference_generate
-from common.steps import FIXES, available_steps
-from common.text import model_dir_arg
-from common.workload import PRESSURE_EOS_AT
 
 from . import report
 from .costs import matmul_gflops
@@ -535,7 +535,7 @@ class Reference:
 
 def pick_eos(workload: Workload, prompts: list[list[int]], reference: Reference) -> Workload:
     """The pressure workload with one eos id per request, from the dense reference's own
-    answers: the token each answer has at a seeded position 5 to 12 (common/workload.py's
+    answers: the token each answer has at a seeded position 5 to 12 (common/front/workload.py's
     ``pressure_eos``). Needs the reference's first 13 tokens of every answer, with or
     without --no-reference."""
     start = time.perf_counter()

@@ -17,9 +17,9 @@ import pytest
 
 from bench.harness import StepRunner, Workload, bench_config, pressure_workload, with_eos
 from common.config import preset
+from common.front.steps import STEPS, available_steps, load_step
+from common.front.workload import PRESSURE_EOS_AT, shared_prefix_prompts
 from common.reference import ReferenceModel, reference_generate
-from common.steps import STEPS, available_steps, load_step
-from common.workload import PRESSURE_EOS_AT, shared_prefix_prompts
 
 WORKLOAD = Workload(num_requests=8, prefix_len=128, tail_len=16, max_new_tokens=16, max_running=8)
 CFG = bench_config(WORKLOAD)

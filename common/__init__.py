@@ -1,3 +1,10 @@
-"""Everything that does not change between steps: config, weights, layers, the reference
-model, the block hash, workloads and the step registry; and, for real checkpoints, the loader
-(checkpoint.py), text in and out (text.py) and Hugging Face's model as an oracle (hf.py)."""
+"""What every step is built on, the same in all of them: the core.
+
+``config.py`` (ModelConfig, presets), ``weights.py`` (seeded weights), ``layers.py`` (the Llama
+layers), ``checkpoint.py`` (a local Hugging Face checkpoint), ``errors.py``, ``hashing.py`` (the
+block hash), ``inputs.py`` (the request checks), ``stats.py`` (EngineStats), ``kv_events.py``,
+and ``reference.py``: the dense reference model, the oracle every step is checked against.
+
+The front ends that run the steps (the demo, text, the trace, the step registry, ...) live in
+``common/front/``; nothing here imports them.
+"""

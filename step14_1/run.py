@@ -1,6 +1,6 @@
 """The chapter's demo with this step's engine: ``python -m <this step>.run`` (``--help``).
 
-The demo is the same for every step, so it lives in ``common/demo.py``; only the engine it
+The demo is the same for every step, so it lives in ``common/front/demo.py``; only the engine it
 drives, this step's, differs.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from common import demo
+from common.front import demo
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from common.config import ModelConfig
-from common.steps import load_step
+from common.front.steps import load_step
 from tests.helpers import STEP_NAMES, EngineFactory, guard_against_hangs, tiny_config
 
 # The test model is tiny: a second thread only adds synchronisation, and on a busy 2-core
@@ -64,7 +64,7 @@ def toy_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
     from common.config import preset
-    from common.hf import hf_llama
+    from common.front.hf import hf_llama
 
     words = "<unk> <s> </s> the capital of france is water boils at you are a concise assistant"
     vocab = {word: i for i, word in enumerate(words.split())}

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from common.config import ModelConfig, preset
+from common.front.steps import FIXES, STEPS, available_steps
 from common.inputs import cdiv
 from common.reference import ReferenceModel, reference_generate
-from common.steps import FIXES, STEPS, available_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP_NAMES = available_steps()

@@ -29,8 +29,8 @@ from bench.harness import (
     pressure_workload,
 )
 from common.config import preset
+from common.front.workload import pressure_prompt_lengths, pressure_prompts
 from common.inputs import blocks_for_request
-from common.workload import pressure_prompt_lengths, pressure_prompts
 from tests.helpers import STEP_NAMES, bench_usage_error
 
 

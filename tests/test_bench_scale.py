@@ -19,7 +19,7 @@ import torch
 
 from bench import scale, showcase
 from common.config import preset
-from common.steps import load_step
+from common.front.steps import load_step
 from tests.helpers import STEP_NAMES, bench_usage_error
 
 SMALL_RUN = ["--workload", "scale", "--sweep-requests", "8,16", "--sweep-cached", "0,64"]

@@ -25,11 +25,11 @@ pytest.importorskip("jinja2")
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from common.chat import load_chat_template
 from common.config import Llama3RopeScaling, preset
 from common.errors import UserError
-from common.hf import hf_llama
-from common.text import common_prefix_len, encode_chat, generate_text, load_tokenizer
+from common.front.chat import load_chat_template
+from common.front.hf import hf_llama
+from common.front.text import common_prefix_len, encode_chat, generate_text, load_tokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [

@@ -29,8 +29,14 @@ from safetensors.torch import load_file, save_file
 
 from bench import showcase
 from common.checkpoint import config_from_hf, eos_token_ids, load_checkpoint
-from common.hf import hf_llama
-from common.text import add_model_args, encode_prompts, generate_text, load_tokenizer, run_text
+from common.front.hf import hf_llama
+from common.front.text import (
+    add_model_args,
+    encode_prompts,
+    generate_text,
+    load_tokenizer,
+    run_text,
+)
 from common.weights import CheckpointError
 from tests.helpers import STEP_NAMES
 from tests.toy_checkpoint import CFG, VOCAB, WORDS, word_tokenizer

@@ -33,8 +33,8 @@ import common.checkpoint as checkpoint_module
 from common.checkpoint import config_from_hf, eos_token_ids, load_checkpoint
 from common.config import ModelConfig, preset
 from common.errors import CheckpointError
-from common.hf import hf_llama
-from common.text import generate_text
+from common.front.hf import hf_llama
+from common.front.text import generate_text
 from tests.toy_checkpoint import CFG, word_tokenizer
 
 

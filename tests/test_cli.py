@@ -20,8 +20,8 @@ import torch
 
 from bench import report, showcase
 from bench.harness import RunResult, Workload
-from common import demo
 from common.config import preset
+from common.front import demo
 from tests.helpers import STEP_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent

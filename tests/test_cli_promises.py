@@ -29,7 +29,7 @@ from bench import costs, progress, showcase
 from bench.costs import TokenWork, matmul_gflops, model_flops
 from bench.harness import StepRunner
 from common.config import ModelConfig, preset
-from common.text import describe, plural, short_system_note
+from common.front.text import describe, plural, short_system_note
 from tests.helpers import STEP_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,7 +111,7 @@ def test_bench_integer_flags_refuse_what_is_not_an_integer(flag: str, value: str
 def test_demo_integer_flags_refuse_what_is_not_an_integer(
     flag: str, value: str, capsys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from common import demo
+    from common.front import demo
 
     monkeypatch.setattr(demo, "load_step", lambda *a: pytest.fail("the demo started"))
     line = usage_error(DEMO.main, [f"{flag}={value}"], capsys)
@@ -285,7 +285,7 @@ def test_run_text_prints_one_token_and_the_short_system_note(tmp_path: Path, cap
     pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
     pytest.importorskip("safetensors")
-    from common.hf import hf_llama
+    from common.front.hf import hf_llama
     from tests.toy_checkpoint import CFG, word_tokenizer
 
     hf_llama(CFG).save_pretrained(tmp_path)
@@ -322,7 +322,7 @@ def test_report_does_not_import_showcase() -> None:
 
 
 def test_no_chat_template_needs_a_model(capsys, monkeypatch: pytest.MonkeyPatch) -> None:
-    from common import demo
+    from common.front import demo
 
     monkeypatch.setattr(demo, "load_step", lambda *a: pytest.fail("the demo started"))
     line = usage_error(DEMO.main, ["--no-chat-template"], capsys)

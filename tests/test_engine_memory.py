@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import pytest
 
+from common.front.workload import shared_prefix_prompts
 from common.inputs import cdiv
-from common.workload import shared_prefix_prompts
 from tests.helpers import (
     EngineFactory,
     blocks_needed,

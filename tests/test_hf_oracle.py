@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 import common.layers
 import common.reference
 from common.config import Llama3RopeScaling, ModelConfig, preset
-from common.hf import hf_llama
+from common.front.hf import hf_llama
 from common.inputs import cdiv
 from common.reference import ReferenceModel
 

@@ -15,9 +15,9 @@ from types import ModuleType
 
 import pytest
 
+from common.front.steps import load_step
+from common.front.workload import random_shared_prefix_prompts
 from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, replay
-from common.steps import load_step
-from common.workload import random_shared_prefix_prompts
 from tests.conftest import STEP_NAMES, guard_against_hangs, tiny_config
 
 SEEDS = range(20)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from common import hashing
-from common.workload import demo_prompts, random_shared_prefix_prompts, shared_prefix_prompts
+from common.front.workload import demo_prompts, random_shared_prefix_prompts, shared_prefix_prompts
 from tests.helpers import assert_engine_matches_reference, reference_tokens, tiny_config, tokens
 
 CFG = tiny_config()

@@ -25,10 +25,10 @@ from types import ModuleType
 import pytest
 
 from common.config import ModelConfig
+from common.front.steps import load_step
+from common.front.workload import random_shared_prefix_prompts
 from common.hashing import hash_prefix_blocks
 from common.inputs import cdiv
-from common.steps import load_step
-from common.workload import random_shared_prefix_prompts
 from tests.helpers import (
     EngineFactory,
     blocks_needed,

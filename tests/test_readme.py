@@ -29,7 +29,7 @@ import pytest
 
 from bench import report, showcase
 from bench.harness import RunResult
-from common.steps import STEPS, available_steps, load_step
+from common.front.steps import STEPS, available_steps, load_step
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from common import demo
 from common.config import preset
+from common.front import demo
 from common.stats import EngineStats
 from tests.helpers import STEP_NAMES
 

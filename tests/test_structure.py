@@ -8,12 +8,14 @@ really there before it, is checked by the step's own file, ``test_step14_*.py``.
 
 from __future__ import annotations
 
+import ast
 from itertools import pairwise
+from pathlib import Path
 
 import pytest
 
-from common.steps import FIXES, STEPS
-from tests.helpers import STEP_NAMES, step_files
+from common.front.steps import FIXES, STEPS
+from tests.helpers import ROOT, STEP_NAMES, step_files
 
 PAIRS = [(a, b) for a, b in pairwise(STEPS) if a in STEP_NAMES and b in STEP_NAMES]
 
@@ -39,3 +41,47 @@ def test_no_step_names_itself_in_code(step_name: str) -> None:
     for name, content in step_files(step_name).items():
         if name.endswith(".py"):
             assert step_name.encode() not in content, name
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The absolute names of the modules a file imports (relative imports resolved)."""
+    package = path.relative_to(ROOT).parent.parts
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else ()
+            module = ".".join([*base, *(node.module or "").split(".")]).strip(".")
+            names |= {module} | {f"{module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def is_front_end_or_step(name: str) -> bool:
+    return name.startswith("common.front") or name.split(".")[0] in STEPS or name == "bench"
+
+
+CORE = sorted(p for p in (ROOT / "common").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", CORE, ids=lambda p: p.name)
+def test_the_core_imports_no_front_end_and_no_step(path: Path) -> None:
+    """``common/`` is what a step is built on: it imports neither the front ends
+    (``common/front/``) nor a step, so imports run one way, front ends -> steps -> core."""
+    assert not [name for name in imported_modules(path) if is_front_end_or_step(name)]
+
+
+@pytest.mark.parametrize("step_name", STEP_NAMES)
+def test_a_steps_engine_imports_only_its_own_files_and_the_core(step_name: str) -> None:
+    """Every file of a step but ``run.py`` (the demo's entry point, a front end) imports the core
+    of ``common/`` and its own step's files (relatively), never a front end or another step."""
+    for path in sorted((ROOT / step_name).glob("*.py")):
+        if path.name == "run.py":
+            continue
+        outside = {
+            name
+            for name in imported_modules(path)
+            if is_front_end_or_step(name) and name.split(".")[0] != step_name
+        }
+        assert not outside, (path.name, outside)
+        assert not any(name.startswith("common.front") for name in imported_modules(path))

@@ -1,5 +1,5 @@
-"""The round-by-round trace (``common/trace.py``, ``run.py --trace``) and its picture
-(``common/trace_plot.py``, ``run.py --trace-png FILE``).
+"""The round-by-round trace (``common/front/trace.py``, ``run.py --trace``) and its picture
+(``common/front/trace_plot.py``, ``run.py --trace-png FILE``).
 
 The trace watches an engine from outside, so it must tell what the engine did: the blocks it
 adopted are the tokens the stats call cached, the pool adds up after every round, every
@@ -19,11 +19,11 @@ from types import ModuleType
 
 import pytest
 
-from common import demo
 from common.config import preset
-from common.steps import load_step
-from common.trace import RoundTrace, RoundTracer, format_trace
-from common.workload import demo_prompts
+from common.front import demo
+from common.front.steps import load_step
+from common.front.trace import RoundTrace, RoundTracer, format_trace
+from common.front.workload import demo_prompts
 from tests.conftest import STEP_NAMES, guard_against_hangs, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent

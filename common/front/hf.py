@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from .config import ModelConfig
-from .weights import make_state_dict
+from ..config import ModelConfig
+from ..weights import make_state_dict
 
 
 def default_max_positions(cfg: ModelConfig) -> int:

@@ -9,10 +9,10 @@ not change, and at rest every block must be free or cached. Then the same reques
 the batched engine, which must give the same tokens.
 
 With ``--model DIR`` (a local Hugging Face Llama checkpoint) it serves real text instead:
-``--prompt`` requests behind a shared ``--system`` prompt (``common/text.py``).
+``--prompt`` requests behind a shared ``--system`` prompt (``common/front/text.py``).
 
-``--trace`` prints one run round by round, every block that moved (``common/trace.py``), and
-``--trace-png FILE`` draws it, blocks x rounds (``common/trace_plot.py``).
+``--trace`` prints one run round by round, every block that moved (``common/front/trace.py``), and
+``--trace-png FILE`` draws it, blocks x rounds (``common/front/trace_plot.py``).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
+from ..config import DTYPES, PRESETS, ModelConfig, preset
+from ..inputs import blocks_for_request
+from ..reference import ReferenceModel, reference_generate
 from .cli import HelpFormatter, device_name, dtype_name, non_negative_int, positive_int, seed_int
-from .config import DTYPES, PRESETS, ModelConfig, preset
-from .inputs import blocks_for_request
-from .reference import ReferenceModel, reference_generate
 from .steps import load_step
 from .text import add_model_args, run_text
 from .trace import RoundTracer, format_trace, trace_header
@@ -128,7 +128,7 @@ def parse_args(step_name: str, argv: list[str] | None) -> argparse.Namespace:
     if args.trace_png is not None and importlib.util.find_spec("matplotlib") is None:
         p.error("--trace-png needs matplotlib: pip install -e '.[plot]'")
     if args.model is not None:
-        return args  # real text: common/text.py checks each request before loading
+        return args  # real text: common/front/text.py checks each request before loading
     if args.system is not None or args.prompt:
         p.error("--system and --prompt need --model DIR (a checkpoint): the demo has its own")
     if args.no_chat_template:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from common.config import DTYPES
+from ..config import DTYPES
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

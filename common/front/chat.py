@@ -23,7 +23,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError, MissingPackageError, UserError
+from ..errors import CheckpointError, MissingPackageError, UserError
 
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"

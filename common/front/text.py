@@ -5,7 +5,7 @@
 each at the first of the checkpoint's eos ids and decodes. ``run.py --model DIR`` (every step)
 uses it through ``run_text``; ``add_model_args`` adds its flags.
 
-When the checkpoint carries a chat template (``common/chat.py``), the shared ``system`` prompt
+When the checkpoint carries a chat template (``common/front/chat.py``), the shared ``system`` prompt
 and each prompt become chat messages in the model's own markup, ending with the header of the
 assistant's turn; otherwise (or with ``chat_template=False``, ``--no-chat-template``) a prompt
 is a plain completion behind the system prompt. Either way every request starts with the same
@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
+from ..checkpoint import check_stored_shapes, checkpoint_config, checkpoint_dir, eos_token_ids
+from ..config import ModelConfig
+from ..errors import CheckpointError, MissingPackageError, RequestError, report_user_errors
+from ..inputs import as_eos_ids, blocks_for_request, check_request, is_int
 from .chat import ChatTemplate, load_chat_template, messages_for
-from .checkpoint import check_stored_shapes, checkpoint_config, checkpoint_dir, eos_token_ids
-from .config import ModelConfig
-from .errors import CheckpointError, MissingPackageError, RequestError, report_user_errors
-from .inputs import as_eos_ids, blocks_for_request, check_request, is_int
 from .steps import load_step
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -287,7 +287,7 @@ def generate_text(
     them, when it lists several), an id or a collection of ids replaces them, ``()`` means
     none. ``chat_template=False`` serves plain completions even when the checkpoint has a
     chat template. ``on_engine`` is called with the engine before it serves anything
-    (``run.py --trace`` attaches a ``common.trace.RoundTracer`` there).
+    (``run.py --trace`` attaches a ``common.front.trace.RoundTracer`` there).
     """
     prompts = check_prompt_list(prompts)
     step = load_step(step) if isinstance(step, str) else step

@@ -14,7 +14,7 @@ steps differ in speed, never in what happens to a block.
              req 1  new  adopt [0]  prefill 4-7  alloc [1]  cache [1]
              pool: 126 free, 2 in use (2 cached), 0 cached only; refs 0:3 1:2
 
-``common/trace_plot.py`` draws the same records as a picture (blocks x rounds).
+``common/front/trace_plot.py`` draws the same records as a picture (blocks x rounds).
 """
 
 from __future__ import annotations
