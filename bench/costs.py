@@ -14,13 +14,14 @@ Seconds alone do not say why a row is slow. Next to them the showcase prints
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from common.config import ModelConfig
+from common.observer import RoundObserver
 
 MIB = 2**20
 MATMUL_N = 1024  # the side of the square float32 matmul that measures the machine
@@ -100,38 +101,32 @@ def dense_kv_bytes(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: in
     return batch * (prompt_len + new_tokens - 1) * cfg.kv_bytes_per_token()
 
 
+class TokenCounter(RoundObserver):
+    """An engine observer that counts every chunk and decode token the engine schedules."""
+
+    def __init__(self) -> None:
+        self.work = TokenWork()
+
+    def scheduled(self, seq: object, start: int, num_tokens: int) -> None:
+        self.work.add_chunk(start, num_tokens)
+
+
 @contextmanager
-def counting(model: torch.nn.Module) -> Iterator[TokenWork]:
-    """Count the chunks a step's paged model is asked to compute while the block runs.
+def counting(engine: object) -> Iterator[TokenWork]:
+    """Count the chunks ``engine`` computes while the block runs.
 
-    A step calls either ``model(chunk_ids, block_table, start_pos)`` once per sequence
-    (step14 to step14_6) or ``model.forward_batched(chunks, block_tables, start_positions)``
-    once per round (step14_7); both name every chunk and its first position, so the count is
-    exact whichever tokens the prefix cache saved. It costs a few microseconds per call.
-    ``sampled`` is left for the caller (the tokens it got back).
+    The engine tells its observer (``common/observer.py``) every chunk and decode token it
+    schedules, with its first position, in every step, so the count is exact whichever tokens
+    the prefix cache saved, and nothing of the engine or the model is replaced. It costs a
+    method call per scheduled chunk. ``sampled`` is left for the caller (the tokens it got
+    back).
     """
-    work = TokenWork()
-
-    def one(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        call = dict(zip(("chunk_ids", "block_table", "start_pos"), args), **kwargs)
-        work.add_chunk(int(call["start_pos"]), len(call["chunk_ids"]))
-
-    hook = model.register_forward_pre_hook(one, with_kwargs=True)
-    batched = getattr(model, "forward_batched", None)
-    if batched is not None:
-
-        def forward_batched(chunks: Sequence, tables: Sequence, starts: Sequence) -> torch.Tensor:
-            for chunk, start in zip(chunks, starts):
-                work.add_chunk(int(start), len(chunk))
-            return batched(chunks, tables, starts)
-
-        model.forward_batched = forward_batched  # an instance attribute shadows the method
+    counter = TokenCounter()
+    engine.set_observer(counter)
     try:
-        yield work
+        yield counter.work
     finally:
-        hook.remove()
-        if batched is not None:
-            del model.forward_batched
+        engine.set_observer(None)
 
 
 def matmul_gflops(device: str = "cpu", n: int = MATMUL_N, repeats: int = 10) -> float:

@@ -221,7 +221,7 @@ class StepRunner:
 
     def serve(self, engine, prompts: list[list[int]], workload: Workload) -> RunResult:
         """Time ``prompts`` through ``engine``: only this is measured."""
-        with counting(self.model) as work:
+        with counting(engine) as work:
             self.live = work
             start = time.perf_counter()
             with torch.inference_mode():

@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from common.inputs import Request, check_request, check_requests
 from common.kv_events import KVCacheEvent
+from common.observer import NO_OBSERVER, RoundObserver
 from common.stats import EngineStats
 
 from .kv_cache_manager import KVCacheManager
@@ -43,6 +44,7 @@ class PagedPrefixCacheEngine:
             model.cfg.total_blocks, self.block_size, enable_prefix_cache, enable_kv_cache_events
         )
         self.scheduler = PagedScheduler(max_running)
+        self.observer: RoundObserver = NO_OBSERVER
         self._counters = EngineStats()
         self._next_id = 0
         self._outputs: dict[int, list[int]] = {}
@@ -90,7 +92,7 @@ class PagedPrefixCacheEngine:
         the request is not queued or running."""
         seq = self.scheduler.remove(request_id)
         self.kv_cache_manager.free(seq)
-        seq.status = SequenceStatus.FINISHED
+        seq.abort()
         return list(seq.generated_ids)
 
     def reset_prefix_cache(self) -> bool:
@@ -106,6 +108,12 @@ class PagedPrefixCacheEngine:
         events (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``). Needs
         ``enable_kv_cache_events=True``; otherwise always empty."""
         return self.kv_cache_manager.take_events()
+
+    def set_observer(self, observer: RoundObserver | None) -> None:
+        """Tell ``observer`` every event of every round from now on (``common/observer.py``:
+        the trace is one); None: nobody, the default."""
+        self.observer = observer or NO_OBSERVER
+        self.kv_cache_manager.observer = self.observer
 
     def pop_output(self, request_id: int) -> list[int]:
         """The generated ids of a finished request, handed out once (``add_request`` + ``step``
@@ -156,7 +164,8 @@ class PagedPrefixCacheEngine:
         itself). It has not been scheduled yet, so nobody loses blocks it was given this
         round. After a preemption nobody is admitted this round: memory is short.
         """
-        preemptions = self._counters.preemptions
+        self.scheduler.begin_round()
+        self.observer.round_started()
         for seq in list(self.scheduler.running):
             if seq.status is SequenceStatus.PREEMPTED:  # an older one needed its blocks
                 continue
@@ -167,11 +176,13 @@ class PagedPrefixCacheEngine:
             )
             if work is not None:
                 yield work
-        while self._counters.preemptions == preemptions and (seq := self.scheduler.next_waiting()):
+        while seq := self.scheduler.next_waiting():  # none after a preemption this round
             work = self._schedule_prefill_chunk(seq, may_preempt=False)
             if work is None:
-                return  # its first chunk does not fit: it waits at the head of the queue
+                self.observer.waits(seq)  # its first chunk does not fit: it waits at the head
+                return
             self.scheduler.admit(seq)
+            self.observer.admitted(seq)
             yield work
 
     def _schedule_prefill_chunk(self, seq: Sequence, may_preempt: bool = True) -> Work | None:
@@ -188,7 +199,8 @@ class PagedPrefixCacheEngine:
         if not self._allocate_slots(seq, start + len(chunk), hits, may_preempt):
             return None
         self._count_prefill_chunk(seq, len(hits) * self.block_size, len(chunk), first_hit)
-        seq.prefill_offset = start
+        seq.advance_prefill(start)  # the adopted blocks' tokens are in the pool
+        self.observer.scheduled(seq, start, len(chunk))
         return seq, chunk, start
 
     def _schedule_decode_token(self, seq: Sequence) -> Work | None:
@@ -197,6 +209,7 @@ class PagedPrefixCacheEngine:
         if not self._allocate_slots(seq, position + 1):
             return None
         self._counters.computed_decode_tokens += 1
+        self.observer.scheduled(seq, position, 1)
         return seq, [seq.last_token_id], position
 
     def _allocate_slots(
@@ -214,6 +227,7 @@ class PagedPrefixCacheEngine:
             if not may_preempt:
                 return False
             victim = self.scheduler.preempt()
+            self.observer.preempted(victim, seq)
             self.kv_cache_manager.free(victim)
             self._counters.preemptions += 1
             if victim is seq:
@@ -238,11 +252,8 @@ class PagedPrefixCacheEngine:
         """The model computed the sequence's tokens up to ``num_computed``; ``next_token`` is
         the greedy choice at the last of them. A decode token, or a chunk that ends the
         prefill, appends it; a chunk in the middle of a prompt has nothing to say yet."""
-        if seq.status is SequenceStatus.PREFILLING:
-            seq.prefill_offset = num_computed
-            if not seq.is_prefill_done:
-                return
-            seq.status = SequenceStatus.RUNNING
+        if seq.status is SequenceStatus.PREFILLING and not seq.advance_prefill(num_computed):
+            return
         seq.append_token(next_token)
 
     def _finish_round(self, scheduled: list[Sequence]) -> None:
@@ -254,3 +265,4 @@ class PagedPrefixCacheEngine:
                 self.kv_cache_manager.free(seq)
                 self._outputs[seq.seq_id] = seq.generated_ids
         self.scheduler.remove_finished()
+        self.observer.round_ended()

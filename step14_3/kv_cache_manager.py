@@ -11,6 +11,7 @@ The engine owns it and calls it at four moments of a sequence's life, with vLLM'
   block it held (full blocks stay in the cache, so a preempted sequence finds them again).
 
 The scheduler never calls it: the chapter's rule is that scheduling does no memory operation.
+Each of these moves is also reported to the engine's observer (``common/observer.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 from common import hashing
 from common.inputs import cdiv
 from common.kv_events import KVCacheEvent
+from common.observer import NO_OBSERVER, RoundObserver
 
 from .block_manager import BlockManager
 from .prefix_cache import PrefixCache
@@ -40,6 +42,7 @@ class KVCacheManager:
             if enable_prefix_cache
             else None
         )
+        self.observer: RoundObserver = NO_OBSERVER  # the engine's: told of every block move
 
     @property
     def num_available_blocks(self) -> int:
@@ -85,12 +88,13 @@ class KVCacheManager:
         block_idx, token_ids = num_tokens // self.block_size - 1, seq.token_ids
         block_hash = hashing.hash_prefix_blocks(token_ids[:num_tokens], self.block_size)[-1]
         parent_id = seq.block_table[block_idx - 1] if block_idx else None
-        self.prefix_cache.insert(
+        taken = self.prefix_cache.insert(
             block_hash,
             seq.block_table[block_idx],
             token_ids[num_tokens - self.block_size : num_tokens],
             parent_id,
         )
+        self.observer.cached(seq, block_idx, taken)
 
     def take_events(self) -> list[KVCacheEvent]:
         """The KV cache events since the last call, oldest first (empty when events are off)."""
@@ -104,7 +108,7 @@ class KVCacheManager:
         """Forget every cached block: each goes back to the free pool (the caller makes sure no
         request holds one)."""
         if self.prefix_cache is not None:
-            self.prefix_cache.clear()
+            self.observer.cache_reset(self.prefix_cache.clear())
 
     # ---- allocation and freeing -------------------------------------------------------------
 
@@ -132,15 +136,18 @@ class KVCacheManager:
             self.prefix_cache.touch(computed_blocks)
         seq.block_table += computed_blocks
         seq.hit_block_ids += computed_blocks
-        if missing > 0:
-            seq.block_table += self._allocate(missing)
+        new, evicted = self._allocate(missing) if missing > 0 else ([], [])
+        seq.block_table += new
+        self.observer.allocated(seq, computed_blocks, new, evicted)
         return True
 
-    def _allocate(self, n: int) -> list[int]:
+    def _allocate(self, n: int) -> tuple[list[int], list[int]]:
+        """``n`` fresh blocks, evicting what the free pool lacks; and the evicted ids."""
         shortfall = n - self.block_manager.num_free
+        evicted = []
         if shortfall > 0 and self.prefix_cache is not None:
-            self.prefix_cache.evict(shortfall)
-        return self.block_manager.allocate(n)
+            evicted = self.prefix_cache.evict(shortfall)
+        return self.block_manager.allocate(n), evicted
 
     def free(self, seq: Sequence) -> None:
         """The chapter's ``_free_seq``: drop the sequence's references. Adopted blocks go back
@@ -152,6 +159,7 @@ class KVCacheManager:
         self.block_manager.free([b for b in seq.block_table if b not in hits])
         if self.prefix_cache is not None:  # cache-only blocks join the eviction queue,
             self.prefix_cache.touch(seq.block_table[::-1])  # tail first: evicted first
+        self.observer.freed(seq)
         seq.block_table, seq.hit_block_ids = [], []
 
     # ---- what the pool looks like -----------------------------------------------------------

@@ -128,13 +128,14 @@ class PrefixCache:
             else:
                 self._evictable.pop(block_id, None)
 
-    def evict(self, n: int) -> None:
+    def evict(self, n: int) -> list[int]:
         """Give ``n`` cache-only blocks back to the free pool, least recently used first: the
-        head of the eviction queue each time, O(1) per block.
+        head of the eviction queue each time, O(1) per block. Returns their ids.
 
         The head is a leaf of the cached forest (see ``_evictable``), so a chain is evicted
         from its tail towards its head and no cached block is ever stranded without its parent.
         """
+        evicted = []
         for _ in range(n):
             if not self._evictable:
                 raise RuntimeError("prefix cache has no evictable block left")
@@ -146,16 +147,20 @@ class PrefixCache:
                 )
             self._remove(victim)
             self.num_evictions += 1
+            evicted.append(victim.block_id)
+        return evicted
 
-    def clear(self) -> None:
+    def clear(self) -> list[int]:
         """Forget every entry: each block loses the cache's reference, and one that no request
-        holds goes back to the free pool."""
-        self.block_manager.free(list(self._by_block))
+        holds goes back to the free pool. Returns the blocks it held."""
+        cleared = list(self._by_block)
+        self.block_manager.free(cleared)
         self._by_hash.clear()
         self._by_block.clear()
         self._evictable.clear()
         if self.events is not None:
             self.events.append(AllBlocksCleared())
+        return cleared
 
     def _remove(self, entry: CachedBlock) -> None:
         del self._by_hash[entry.block_hash]

@@ -79,7 +79,32 @@ class Sequence:
             tokens = token_ids[i * block_size : (i + 1) * block_size]
             self.block_hashes.append(hashing.hash_block(parent, tokens))
 
+    # ---- its life: every change of status is one of these, named for what happens ----------
+
+    def admit(self) -> None:
+        """Into the running set: its prompt (after a preemption, prompt + output) prefills."""
+        self.status = SequenceStatus.PREFILLING
+
+    def advance_prefill(self, num_tokens: int) -> bool:
+        """The KV of its first ``num_tokens`` tokens is in the pool, adopted or computed.
+        Returns whether the prefill is over (then it decodes: the next model call samples)."""
+        self.prefill_offset = num_tokens
+        if self.is_prefill_done:
+            self.status = SequenceStatus.RUNNING
+        return self.is_prefill_done
+
     def append_token(self, token_id: int) -> None:
+        """A new token; the request is finished at ``max_new_tokens`` or at an eos id."""
         self.generated_ids.append(token_id)
         if len(self.generated_ids) >= self.max_new_tokens or token_id in self.eos_token_ids:
             self.status = SequenceStatus.FINISHED
+
+    def preempt(self) -> None:
+        """Its blocks were taken back: it waits again, to prefill prompt + output anew."""
+        self.status = SequenceStatus.PREEMPTED
+        self.prefill_offset = 0
+        self.num_preemptions += 1
+
+    def abort(self) -> None:
+        """Cancelled by its user: finished where it stands."""
+        self.status = SequenceStatus.FINISHED

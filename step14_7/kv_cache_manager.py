@@ -11,12 +11,14 @@ The engine owns it and calls it at four moments of a sequence's life, with vLLM'
   block it held (full blocks stay in the cache, so a preempted sequence finds them again).
 
 The scheduler never calls it: the chapter's rule is that scheduling does no memory operation.
+Each of these moves is also reported to the engine's observer (``common/observer.py``).
 """
 
 from __future__ import annotations
 
 from common.inputs import cdiv
 from common.kv_events import KVCacheEvent
+from common.observer import NO_OBSERVER, RoundObserver
 
 from .block_manager import BlockManager
 from .prefix_cache import PrefixCache
@@ -39,6 +41,7 @@ class KVCacheManager:
             if enable_prefix_cache
             else None
         )
+        self.observer: RoundObserver = NO_OBSERVER  # the engine's: told of every block move
 
     @property
     def num_available_blocks(self) -> int:
@@ -82,12 +85,13 @@ class KVCacheManager:
         seq.extend_block_hashes(block_idx + 1, self.block_size)  # a no-op if lookup hashed it
         block_hash = seq.block_hashes[block_idx]
         parent_id = seq.block_table[block_idx - 1] if block_idx else None
-        self.prefix_cache.insert(
+        taken = self.prefix_cache.insert(
             block_hash,
             seq.block_table[block_idx],
             token_ids[num_tokens - self.block_size : num_tokens],
             parent_id,
         )
+        self.observer.cached(seq, block_idx, taken)
 
     def take_events(self) -> list[KVCacheEvent]:
         """The KV cache events since the last call, oldest first (empty when events are off)."""
@@ -101,7 +105,7 @@ class KVCacheManager:
         """Forget every cached block: each goes back to the free pool (the caller makes sure no
         request holds one)."""
         if self.prefix_cache is not None:
-            self.prefix_cache.clear()
+            self.observer.cache_reset(self.prefix_cache.clear())
 
     # ---- allocation and freeing -------------------------------------------------------------
 
@@ -129,15 +133,18 @@ class KVCacheManager:
             self.prefix_cache.touch(computed_blocks)
         seq.block_table += computed_blocks
         seq.hit_block_ids += computed_blocks
-        if missing > 0:
-            seq.block_table += self._allocate(missing)
+        new, evicted = self._allocate(missing) if missing > 0 else ([], [])
+        seq.block_table += new
+        self.observer.allocated(seq, computed_blocks, new, evicted)
         return True
 
-    def _allocate(self, n: int) -> list[int]:
+    def _allocate(self, n: int) -> tuple[list[int], list[int]]:
+        """``n`` fresh blocks, evicting what the free pool lacks; and the evicted ids."""
         shortfall = n - self.block_manager.num_free
+        evicted = []
         if shortfall > 0 and self.prefix_cache is not None:
-            self.prefix_cache.evict(shortfall)
-        return self.block_manager.allocate(n)
+            evicted = self.prefix_cache.evict(shortfall)
+        return self.block_manager.allocate(n), evicted
 
     def free(self, seq: Sequence) -> None:
         """The chapter's ``_free_seq``: drop the sequence's references."""
@@ -148,6 +155,7 @@ class KVCacheManager:
             self.block_manager.release(block_id)
         if self.prefix_cache is not None:  # cache-only blocks join the eviction queue,
             self.prefix_cache.touch(seq.block_table[::-1])  # tail first: evicted first
+        self.observer.freed(seq)
         seq.block_table, seq.hit_block_ids = [], []
 
     # ---- what the pool looks like -----------------------------------------------------------

@@ -25,6 +25,7 @@ from bench.costs import (
 )
 from bench.harness import RunResult, StepRunner, Workload, bench_config
 from common.config import preset
+from common.observer import RoundObserver
 from tests.helpers import STEP_NAMES
 
 WORKLOAD = Workload(num_requests=3, prefix_len=12, tail_len=5, max_new_tokens=4, max_running=3)
@@ -89,26 +90,40 @@ def test_every_step_counts_the_tokens_its_engine_computed(cold_runs) -> None:
 def test_counted_work_equals_the_engine_counters() -> None:
     runner = StepRunner(STEP_NAMES[-1], CFG)
     engine = runner.engine(WORKLOAD)
-    with counting(runner.model) as work:
+    with counting(engine) as work:
         engine.generate(WORKLOAD.prompts(CFG.vocab_size), WORKLOAD.max_new_tokens)
     assert work.tokens == engine.stats.computed_tokens
     assert work.context > work.tokens  # later tokens attend to more than themselves
 
 
 @pytest.mark.parametrize("step_name", [STEP_NAMES[0], STEP_NAMES[-1]])
-def test_counting_leaves_the_model_as_it_was(step_name: str) -> None:
-    model = StepRunner(step_name, CFG).model
-    with counting(model):
+def test_counting_watches_and_leaves_the_engine_as_it_was(step_name: str) -> None:
+    """The count is an observer of the engine: nothing of the engine or its model is replaced,
+    and afterwards nobody watches."""
+    runner = StepRunner(step_name, CFG)
+    engine = runner.engine(WORKLOAD)
+    attributes = (set(vars(engine)), set(vars(runner.model)))
+    with counting(engine):
         pass
-    assert "forward_batched" not in vars(model) and not model._forward_pre_hooks
+    assert (set(vars(engine)), set(vars(runner.model))) == attributes
+    assert type(engine.observer) is RoundObserver
 
 
-def test_a_forward_call_is_counted_by_position_or_keyword() -> None:
-    model = StepRunner(STEP_NAMES[0], CFG).model
-    with counting(model) as work:
-        model([1, 2, 3], [0], 0)
-        model(chunk_ids=[4], block_table=[0], start_pos=3)
-    assert (work.tokens, work.context) == (4, 1 + 2 + 3 + 4)
+@pytest.mark.parametrize("step_name", [STEP_NAMES[0], STEP_NAMES[-1]])
+def test_every_chunk_is_counted_at_its_positions(step_name: str) -> None:
+    """One request alone, prompt of 2 blocks + 1 token, 3 new tokens: prefill chunks at 0 and
+    at each block boundary, then the 2 tokens fed back, at positions 9 and 10 (block size 4)."""
+    runner = StepRunner(step_name, CFG)
+    engine = runner.engine(WORKLOAD)
+    block, prompt = CFG.block_size, list(range(1, 2 * CFG.block_size + 2))
+    with counting(engine) as work:
+        engine.generate([prompt], 3)
+    expected = TokenWork()
+    for start in range(0, len(prompt), block):
+        expected.add_chunk(start, min(block, len(prompt) - start))
+    for position in (len(prompt), len(prompt) + 1):
+        expected.add_chunk(position, 1)
+    assert (work.tokens, work.context) == (expected.tokens, expected.context)
 
 
 def test_without_the_cache_the_engine_does_hf_s_work() -> None:

@@ -1,7 +1,8 @@
 """The round-by-round trace (``common/front/trace.py``, ``run.py --trace``) and its picture
 (``common/front/trace_plot.py``, ``run.py --trace-png FILE``).
 
-The trace watches an engine from outside, so it must tell what the engine did: the blocks it
+The trace watches an engine as its observer, replacing nothing, so it must tell what the
+engine did: the blocks it
 adopted are the tokens the stats call cached, the pool adds up after every round, every
 ref_count is the requests holding the block plus the cache. And since every step moves the same
 blocks, every step records the same trace. The demo prints it and draws it; a bad picture path
@@ -24,6 +25,7 @@ from common.front import demo
 from common.front.steps import load_step
 from common.front.trace import RoundTrace, RoundTracer, format_trace
 from common.front.workload import demo_prompts
+from common.observer import RoundObserver
 from tests.conftest import STEP_NAMES, guard_against_hangs, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,17 +180,39 @@ def test_a_preempted_request_resumes_and_is_aborted_in_the_trace(step: ModuleTyp
     assert engine.ref_count_problems() == []
 
 
-def test_detach_gives_the_engine_its_own_methods_back(step: ModuleType) -> None:
+def test_the_tracer_replaces_nothing_and_detaches(step: ModuleType) -> None:
+    """The tracer is the engine's observer: while it watches, no method of the engine, its
+    scheduler, KV cache manager, prefix cache, block manager or model is replaced on the
+    instance (an attribute of its own, as ``guard_against_hangs`` sets, survives), and after
+    ``detach`` nobody watches."""
     engine = step.PagedPrefixCacheEngine(step.TinyTransformerPaged(tiny_config()))
     guard_against_hangs(engine)  # an instance attribute of its own: it must survive
-    guarded = engine.step
+    guarded, kvm = engine.step, engine.kv_cache_manager
+    parts = [engine, engine.scheduler, kvm, kvm.prefix_cache, kvm.block_manager, engine.model]
+    before = [set(vars(part)) for part in parts]
     tracer = RoundTracer(engine)
+    engine.generate([list(range(1, 10))], 3)
+    assert [set(vars(part)) for part in parts] == before
+    assert engine.observer is tracer and kvm.observer is tracer and tracer.rounds
     tracer.detach()
     assert engine.step is guarded
-    for obj in (engine.kv_cache_manager, engine.scheduler, engine.kv_cache_manager.prefix_cache):
-        assert not {"allocate_slots", "cache_blocks", "free", "admit", "evict", "clear"} & set(
-            vars(obj)
-        )
+    assert type(engine.observer) is RoundObserver and kvm.observer is engine.observer
+
+
+def test_a_refused_first_block_is_a_copy_not_an_orphan(step: ModuleType) -> None:
+    """A one-block prompt sent again is recomputed into a block of its own (its last token's
+    logits are needed), which the cache refuses: it holds that prefix. The block has no parent,
+    so it is a copy, never "the block before it is not" cached."""
+    engine = step.PagedPrefixCacheEngine(step.TinyTransformerPaged(tiny_config(block_size=BS)))
+    prompt = list(range(1, BS + 1))  # exactly one block
+    engine.generate([prompt], 1)
+    tracer = RoundTracer(engine)
+    engine.generate([prompt], 1)
+    (copy,) = [b for r in tracer.rounds for w in r.work for b in w.copies]
+    assert not [b for r in tracer.rounds for w in r.work for b in w.orphans]
+    text = format_trace(tracer.rounds)
+    assert f"full [{copy}] not cached (the cache has that prefix)" in text
+    assert "the block before it is not" not in text
 
 
 # ---- the demo: --trace, --trace-png --------------------------------------------------------

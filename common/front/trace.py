@@ -1,12 +1,11 @@
 """Watch the block pool round by round: ``python -m <step>.run --trace`` prints it.
 
-``RoundTracer(engine)`` instruments one engine instance, any step's, from the outside. It wraps
-the methods through which every block moves (the KV cache manager's ``allocate_slots``,
-``cache_blocks`` and ``free``, the scheduler's ``admit``, the prefix cache's ``evict`` and
-``clear``) and the engine's ``step``, which closes each round with a picture of the pool: which
-request holds each block, which blocks the cache holds, and every block's ``ref_count``. The
-engine's code is untouched, and every step records the same trace on the same requests: the
-steps differ in speed, never in what happens to a block.
+``RoundTracer(engine)`` watches one engine, any step's: it is the engine's observer
+(``common/observer.py``), told of every event as it happens (a request admitted, blocks adopted,
+allocated, evicted, cached or freed, a preemption), and it closes each round with a picture of
+the pool: which request holds each block, which blocks the cache holds, and every block's
+``ref_count``. Nothing of the engine is replaced or wrapped, and every step records the same
+trace on the same requests: the steps differ in speed, never in what happens to a block.
 
 ``format_trace(tracer.rounds)`` reads like the chapter's ref_count walk-through:
 
@@ -20,23 +19,16 @@ steps differ in speed, never in what happens to a block.
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..observer import RoundObserver
 
 # Why a request's blocks went back (``KVCacheManager.free``) during a round, by its status: the
 # engine frees a finished request after its last token, and a preempted one right after
 # ``scheduler.preempt()`` marked it. Between rounds, only ``abort`` frees.
 ENDINGS = {"FINISHED": "finished", "PREEMPTED": "preempted"}
-MISSING = object()
-
-
-def restore(obj: Any, name: str, own: Any) -> None:
-    """Put back what ``obj`` had under ``name`` itself (nothing: its class's method shows)."""
-    if own is MISSING:
-        delattr(obj, name)
-    else:
-        setattr(obj, name, own)
 
 
 @dataclass
@@ -150,9 +142,10 @@ class RoundTrace:
         return not self.between and bool(self.work) and all(w.still for w in self.work)
 
 
-class RoundTracer:
-    """Records every round of one engine; ``rounds`` holds them. ``detach()`` puts the
-    engine's own methods back."""
+class RoundTracer(RoundObserver):
+    """Records every round of one engine; ``rounds`` holds them. An observer of the engine
+    (``engine.set_observer``): it is told each event as it happens and reads the pool then;
+    ``detach()`` stops it."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -163,127 +156,74 @@ class RoundTracer:
         self._number = 0  # rounds so far
         self._in_round = False
         self._work: dict[int, Work] = {}  # this round's, by request id, in order of appearance
-        self._allocating: Work | None = None  # whose allocation an eviction serves
-        self._short_of_blocks: Any = None  # the request whose allocation failed last
-        self._patched: list[tuple[Any, str, Any]] = []  # (object, name, its own attribute)
-        self._patch(engine, "step", self._step)
-        self._patch(self._kvm, "allocate_slots", self._allocate_slots)
-        self._patch(self._kvm, "cache_blocks", self._cache_blocks)
-        self._patch(self._kvm, "free", self._free)
-        self._patch(engine.scheduler, "admit", self._admit)
-        if self._cache is not None:
-            self._patch(self._cache, "evict", self._evict)
-            self._patch(self._cache, "clear", self._clear)
+        # What each running request computes next, "token" or "chunk", from what it last did:
+        # said of a request that finds no block (it may be preempted itself before it is told).
+        self._next: dict[int, str] = {}
+        engine.set_observer(self)
 
     def detach(self) -> None:
-        for obj, name, own in reversed(self._patched):
-            restore(obj, name, own)
-        self._patched.clear()
+        self.engine.set_observer(None)
 
-    def _patch(self, obj: Any, name: str, wrapper: Callable[..., Any]) -> None:
-        real = getattr(obj, name)
+    # ---- the events -------------------------------------------------------------------------
 
-        def call(*args: Any, **kwargs: Any) -> Any:
-            return wrapper(real, *args, **kwargs)
-
-        self._patched.append((obj, name, vars(obj).get(name, MISSING)))
-        setattr(obj, name, call)
-
-    # ---- the wrappers -----------------------------------------------------------------------
-
-    def _step(self, real: Callable[[], None]) -> None:
+    def round_started(self) -> None:
         self._number += 1
         self._in_round = True
-        try:
-            real()
-        finally:
-            self._in_round = False
-            self._close()
 
-    def _admit(self, real: Callable[[Any], None], seq: Any) -> None:
-        real(seq)
+    def round_ended(self) -> None:
+        self._in_round = False
+        self._close()
+
+    def admitted(self, seq: Any) -> None:
         work = self._entry(seq)
         work.resumed = seq.num_preemptions > 0
         work.new = not work.resumed
 
-    def _allocate_slots(
-        self, real: Callable[..., bool], seq: Any, num_tokens: int, computed_blocks: Any = None
-    ) -> bool:
-        work = self._entry(seq)
-        status, before = seq.status.name, len(seq.block_table)
-        self._allocating = work
-        try:
-            ok = real(seq, num_tokens, computed_blocks)
-        finally:
-            self._allocating = None
-        if not ok:
-            if status in ("WAITING", "PREEMPTED"):
-                work.waits = True  # a queued request does not preempt: it waits
-            else:  # the engine now preempts the youngest running request
-                self._short_of_blocks = seq
-                work.short = "its next token" if status == "RUNNING" else "its next chunk"
-            return ok
-        adopted = list(computed_blocks or [])
-        work.adopted += adopted
-        work.allocated += seq.block_table[before + len(adopted) :]
-        work.end = num_tokens
-        if status == "RUNNING":
-            work.kind, work.start = "decode", num_tokens - 1
-        else:  # prefill is block-aligned: the chunk starts after the blocks it now holds
-            work.kind, work.start = "prefill", (before + len(adopted)) * self._block_size
-            work.last_chunk = num_tokens >= seq.num_tokens
-        return ok
+    def waits(self, seq: Any) -> None:
+        self._entry(seq).waits = True  # a queued request does not preempt: it waits
 
-    def _cache_blocks(self, real: Callable[..., None], seq: Any, num_tokens: int) -> None:
-        index = num_tokens // self._block_size - 1
-        full = self._cache is not None and num_tokens % self._block_size == 0
-        block = seq.block_table[index] if full else None
-        was_cached = full and block in self._cache
-        real(seq, num_tokens)
-        if not full or was_cached:
-            return
+    def allocated(self, seq: Any, adopted: list[int], new: list[int], evicted: list[int]) -> None:
         work = self._entry(seq)
-        if block in self._cache:
+        work.adopted += adopted
+        work.evicted += evicted
+        work.allocated += new
+
+    def scheduled(self, seq: Any, start: int, num_tokens: int) -> None:
+        work = self._entry(seq)
+        work.start, work.end = start, start + num_tokens
+        if seq.status.name == "RUNNING":
+            work.kind = "decode"
+        else:  # prefill is block-aligned: the chunk starts after the blocks it now holds
+            work.kind, work.last_chunk = "prefill", work.end >= seq.num_tokens
+        self._next[seq.seq_id] = "token" if work.kind == "decode" or work.last_chunk else "chunk"
+
+    def cached(self, seq: Any, block_index: int, taken: bool) -> None:
+        block = seq.block_table[block_index]
+        if not taken and block in self._cache:
+            return  # it was cached already (registered when it was scheduled)
+        work = self._entry(seq)
+        if taken:
             work.cached.append(block)
-        elif index and seq.block_table[index - 1] not in self._cache:
+        elif block_index and seq.block_table[block_index - 1] not in self._cache:
             work.orphans.append(block)
         else:
             work.copies.append(block)
 
-    def _free(self, real: Callable[[Any], None], seq: Any) -> None:
-        table, status = list(seq.block_table), seq.status.name
-        real(seq)
-        work = self._entry(seq)
-        work.ended = ENDINGS[status] if self._in_round else "aborted"
-        if work.ended == "preempted":
-            work.preempted_for = getattr(self._short_of_blocks, "seq_id", None)
-        bm = self._kvm.block_manager
-        work.freed = [b for b in table if bm.ref_count(b) == 0]
-        work.stay_cached = [b for b in table if bm.ref_count(b) > 0]
+    def preempted(self, seq: Any, for_seq: Any) -> None:
+        self._entry(for_seq).short = f"its next {self._next.get(for_seq.seq_id, 'chunk')}"
+        self._entry(seq).preempted_for = for_seq.seq_id
+
+    def freed(self, seq: Any) -> None:
+        work, bm = self._entry(seq), self._kvm.block_manager
+        work.ended = ENDINGS[seq.status.name] if self._in_round else "aborted"
+        work.freed = [b for b in seq.block_table if bm.ref_count(b) == 0]
+        work.stay_cached = [b for b in seq.block_table if bm.ref_count(b) > 0]
+        self._next.pop(seq.seq_id, None)
         if not self._in_round:
             self._close(between=True)
 
-    def _evict(self, real: Callable[[int], None], n: int) -> None:
-        bm = self._kvm.block_manager
-        evicted: list[int] = []
-        real_free, own = bm.free, vars(bm).get("free", MISSING)
-
-        def free(block_ids: list[int]) -> None:  # the cache gives up its blocks one by one
-            evicted.extend(block_ids)
-            real_free(block_ids)
-
-        bm.free = free
-        try:
-            real(n)
-        finally:
-            restore(bm, "free", own)
-        if self._allocating is not None:
-            self._allocating.evicted += evicted
-
-    def _clear(self, real: Callable[[], None]) -> None:
-        cleared = self._cached_blocks()
-        real()
-        self._close(between=not self._in_round, cleared=cleared)
+    def cache_reset(self, block_ids: list[int]) -> None:
+        self._close(between=not self._in_round, cleared=tuple(sorted(block_ids)))
 
     # ---- the records ------------------------------------------------------------------------
 
@@ -320,7 +260,6 @@ class RoundTracer:
         )
         self.rounds[-1].cleared = list(cleared)
         self._work = {}
-        self._short_of_blocks = None
 
 
 # ---- the text -----------------------------------------------------------------------------------

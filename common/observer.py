@@ -1,0 +1,67 @@
+"""RoundObserver: what an engine tells whoever watches it, as it happens.
+
+Every step's engine and KV cache manager report each round's events here: a request admitted,
+a chunk or token scheduled, blocks adopted, allocated and evicted for it, a full block offered
+to the prefix cache, a request preempted or freed, the cache reset. The trace of
+``run.py --trace`` (``common/front/trace.py``) and the benchmark's count of the model's work
+are observers; neither changes a line of the engine or replaces any of its methods.
+
+This class is the default observer and ignores everything, so an engine nobody watches pays
+one empty method call per event. A watcher subclasses it, overrides what it needs, and is
+attached with ``engine.set_observer(watcher)``. A method is called *when* its event happens,
+so the watcher may read the engine's state right then (reference counts, block tables); it
+must not change it. (vLLM's ``BlockPool`` has the same kind of hook for its metrics: a
+``KVCacheMetricsCollector`` told of every allocation, access and eviction.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Seq = Any  # a step's Sequence (each step has its own class; this module imports none)
+
+
+class RoundObserver:
+    """The events of one engine, in the order they happen within a round."""
+
+    def round_started(self) -> None:
+        """``engine.step()`` begins a round."""
+
+    def admitted(self, seq: Seq) -> None:
+        """The head of the waiting queue joined the running set (new, or resumed after a
+        preemption: ``seq.num_preemptions``)."""
+
+    def waits(self, seq: Seq) -> None:
+        """The head of the waiting queue stays there: its first chunk does not fit."""
+
+    def allocated(self, seq: Seq, adopted: list[int], new: list[int], evicted: list[int]) -> None:
+        """``seq`` took blocks for its next chunk or token: ``adopted`` from the prefix cache
+        (one reference more each), ``new`` from the free pool, after ``evicted`` cache-only
+        blocks went back to it to make room."""
+
+    def scheduled(self, seq: Seq, start: int, num_tokens: int) -> None:
+        """``seq`` computes its tokens ``start ... start + num_tokens - 1`` this round: a
+        prefill chunk, or one decode token."""
+
+    def cached(self, seq: Seq, block_index: int, taken: bool) -> None:
+        """``seq`` filled its block ``seq.block_table[block_index]``, which was offered to the
+        prefix cache: ``taken``, or refused (the cache holds that prefix already, or the block
+        before it is not cached)."""
+
+    def preempted(self, seq: Seq, for_seq: Seq) -> None:
+        """``seq``, the youngest running request, goes back to the queue because ``for_seq``
+        found no block (perhaps ``seq`` itself). Its ``freed`` follows."""
+
+    def freed(self, seq: Seq) -> None:
+        """``seq`` dropped its reference to every block of its table (it finished, was
+        preempted or aborted): a block no one else holds is free now. Called before the table
+        is emptied, so the watcher can still read it."""
+
+    def cache_reset(self, block_ids: list[int]) -> None:
+        """``reset_prefix_cache()`` gave these cached blocks back to the free pool."""
+
+    def round_ended(self) -> None:
+        """The round is over: outputs appended, finished requests freed."""
+
+
+NO_OBSERVER = RoundObserver()
