@@ -1,5 +1,10 @@
 """The shared fixtures: every test that takes ``step`` runs once per step directory that exists.
 
+- ``step``, ``make_engine``: a step package, and engines of it that cannot hang a test;
+- ``guard_every_engine``: the same guard for engines a test does not build itself (the bench's);
+- ``no_work``: a command line that gets past its flag checks fails the test;
+- ``toy_checkpoint``: a tiny Llama checkpoint folder with a word-level tokenizer.
+
 Plain helper functions are in ``tests/helpers.py``; no test imports from this file.
 """
 
@@ -52,6 +57,39 @@ def make_engine(step: ModuleType) -> Iterator[EngineFactory]:
     for engine in engines:
         if not engine.has_work:
             assert engine.ref_count_problems() == []
+
+
+@pytest.fixture
+def guard_every_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every engine of every step built while the test runs fails after
+    ``MAX_ROUNDS_PER_ENGINE`` rounds instead of hanging, as ``make_engine``'s do: for tests
+    that drive engines they do not build, e.g. through ``bench/harness.py``'s ``StepRunner``
+    (whose ``serve_requests`` steps ``while engine.has_work``, with no bound)."""
+    for name in STEP_NAMES:
+        engine_class = load_step(name).PagedPrefixCacheEngine
+        real_init = engine_class.__init__
+
+        def init(self: object, *args: object, real_init=real_init, **kwargs: object) -> None:
+            real_init(self, *args, **kwargs)
+            guard_against_hangs(self)
+
+        monkeypatch.setattr(engine_class, "__init__", init)
+
+
+@pytest.fixture
+def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if a command line gets past its flag checks: ``python -m bench`` loading a
+    model, building a step or the dense reference, timing the machine; a step's ``run.py`` (the
+    demo) loading its step."""
+    from bench import showcase
+    from common.front import demo
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("work started before the flags were checked")
+
+    for name in ("load_model", "StepRunner", "matmul_gflops", "Reference"):
+        monkeypatch.setattr(showcase, name, refuse)
+    monkeypatch.setattr(demo, "load_step", refuse)
 
 
 @pytest.fixture(scope="session")

@@ -7,13 +7,17 @@
 - driving an engine: ``run_rounds``, ``log_schedules``, ``guard_against_hangs``,
   ``assert_engine_matches_reference``;
 - a step's files as they are on disk: ``step_files``, ``function_tree``, ``python_loops``;
-- the command line: ``bench_usage_error``.
+- the command line: ``usage_error``, ``bench_usage_error``, ``run_python``;
+- a checkpoint's files: ``edit_json``.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import random
+import subprocess
+import sys
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -212,16 +216,51 @@ def python_loops(function: ast.FunctionDef) -> list[str]:
 # ---- the command line ---------------------------------------------------------------------------
 
 
-def bench_usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    """``python -m bench argv`` must exit 2 before any work, with one ``error:`` line."""
-    from bench import showcase
-
+def usage_error(
+    main: Callable[[list[str]], object], argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> str:
+    """``main(argv)`` (a command line's ``main``) must exit 2 before any work: nothing on
+    stdout, no traceback, and one ``error:`` line on stderr, the last. Returns that line."""
     with pytest.raises(SystemExit) as info:
-        showcase.main(argv)
+        main(argv)
     assert info.value.code == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "Traceback" not in captured.err
     errors = [line for line in captured.err.splitlines() if "error:" in line]
     assert len(errors) == 1 and captured.err.splitlines()[-1] == errors[0], captured.err
-    assert errors[0].startswith("python -m bench: error:")
     return errors[0]
+
+
+def bench_usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """``python -m bench argv`` must exit 2 before any work, with one ``error:`` line."""
+    from bench import showcase
+
+    line = usage_error(showcase.main, argv, capsys)
+    assert line.startswith("python -m bench: error:")
+    return line
+
+
+# More than any command of the tests needs on a busy 2-core machine: past it, the command hangs.
+SUBPROCESS_TIMEOUT_S = 300
+
+
+def run_python(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python *args`` in a fresh interpreter, run from the repository root as a user would:
+    its exit status, stdout and stderr (as text)."""
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+    )
+
+
+# ---- a checkpoint's files -----------------------------------------------------------------------
+
+
+def edit_json(path: Path, **changes: object) -> None:
+    """Set fields of a JSON file (``config.json``, ...); a value of None is written as null."""
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))

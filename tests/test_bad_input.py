@@ -1,28 +1,52 @@
-"""Bad input: a clear ValueError at the door, and an engine left exactly as it was.
+"""Bad input: refused with a message that says what is wrong, and nothing changed or started.
 
-The design lists what must be refused (empty prompt, ids outside the vocabulary, non-integer
-ids, max_new_tokens < 1, a request the whole pool could not hold) and promises the engine's
-state is untouched. Each bad input is tried through ``add_request``, ``generate`` and
-``generate_serial`` on an engine that is mid-life (warm cache, one request queued), then the
-engine is compared with a twin that never saw the bad input.
+**The engine's API** (``add_request``, ``generate``, ``generate_serial``): a clear ValueError
+at the door, and an engine left exactly as it was. The design lists what must be refused
+(empty prompt, ids outside the vocabulary, non-integer ids, max_new_tokens < 1, a request the
+whole pool could not hold) and promises the engine's state is untouched. Each bad input is
+tried through all three on an engine that is mid-life (warm cache, one request queued), then
+the engine is compared with a twin that never saw the bad input.
+
+**The commands** (``python -m step14_7.run --model DIR ...`` and ``python -m bench --model DIR
+...``, each in a subprocess): every checkpoint or request problem a new user meets ends in one
+line, not a traceback. The command must exit 1, print nothing on stdout, and print exactly one
+line on stderr, ``<prog>: error: <what is wrong and what to do>``; only a real bug keeps its
+traceback. What can be checked without the weights is checked before they are read: a missing
+tokenizer.json fails in well under a second, however big the model (timed in-process, where the
+interpreter's own start-up does not count; the model load is also made to fail loudly, so
+"before" cannot mean "fast enough on a small model"), and so does a request the pool cannot
+hold.
+
+A bad flag value (argparse's usage, one ``error:`` line, exit 2) is in ``tests/test_cli.py``;
+the checkpoint loader's refusals, called in-process, in ``tests/test_checkpoint.py``.
 """
 
 from __future__ import annotations
 
+import importlib
 import random
+import shutil
+import subprocess
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import EngineFactory, reference_tokens, tiny_config
+from tests.helpers import EngineFactory, edit_json, reference_tokens, run_python, tiny_config
+
+# ---- the engine's API: refused at the door, nothing changed --------------------------------------
+
 
 BLOCK_SIZE = 4
 TOTAL_BLOCKS = 8  # the pool holds 32 token slots: a request of 33 can never run
 CFG = tiny_config(block_size=BLOCK_SIZE, total_blocks=TOTAL_BLOCKS)
 VOCAB = CFG.vocab_size
 MAX_NEW = 2
+
 
 _rng = random.Random(7)
 GOOD = [_rng.randrange(VOCAB) for _ in range(9)]
@@ -233,3 +257,211 @@ def test_text_in_place_of_the_list_of_prompts_is_refused(
     with pytest.raises(ValueError, match="list of prompts"):
         run(text, MAX_NEW)
     assert not engine.has_work
+
+
+# ---- the commands: one line, not a traceback -----------------------------------------------------
+
+
+RUN = "step14_7.run"
+
+
+def variant(base: Path, root: Path, name: str, edit: Callable[[Path], None]) -> Path:
+    """A copy of checkpoint ``base`` with one thing wrong."""
+    folder = root / name
+    shutil.copytree(base, folder)
+    edit(folder)
+    return folder
+
+
+def only_pytorch_bin(folder: Path) -> None:
+    (folder / "model.safetensors").unlink()
+    (folder / "pytorch_model.bin").write_bytes(b"a pickle, never opened")
+
+
+def garbage_weights_no_tokenizer(folder: Path) -> None:
+    """No tokenizer.json, and weights that cannot be read: the tokenizer must be the error,
+    which proves it is looked for before any weight."""
+    (folder / "tokenizer.json").unlink()
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+
+
+def config_edit(**changes: object) -> Callable[[Path], None]:
+    """A broken copy's edit: these fields of its config.json changed."""
+    return lambda folder: edit_json(folder / "config.json", **changes)
+
+
+BROKEN: dict[str, Callable[[Path], None]] = {
+    "pytorch-bin-only": only_pytorch_bin,
+    "qwen2": config_edit(model_type="qwen2", architectures=["Qwen2ForCausalLM"]),
+    "mistral": config_edit(
+        model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=4096
+    ),
+    "sliding-window": config_edit(sliding_window=4096),
+    "no-tokenizer": lambda f: (f / "tokenizer.json").unlink(),
+    "no-tokenizer-bad-weights": garbage_weights_no_tokenizer,
+    "wrong-shapes": config_edit(num_key_value_heads=4),  # stored: 2 KV heads
+    "broken-config": lambda f: (f / "config.json").write_text('{"vocab_size": 320,'),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A sound checkpoint (byte-level BPE tokenizer that adds no BOS, as GPT-2's, chat
+    template, GQA, tied embeddings, llama3 RoPE) and one broken copy per entry of BROKEN."""
+    chat = pytest.importorskip("tests.test_chat_template")
+    root = tmp_path_factory.mktemp("user-errors")
+    sound = chat.save_chat_checkpoint(root / "sound", add_bos=False)
+    folders = {"sound": sound}
+    for name, edit in BROKEN.items():
+        folders[name] = variant(sound, root, name, edit)
+    return folders
+
+
+# (case id, module, argv with {NAME} for a checkpoint folder, words the error line must hold)
+CASES: list[tuple[str, str, list[str], list[str]]] = [
+    ("run-bin-only", RUN, ["--model", "{pytorch-bin-only}"], ["pytorch_model.bin", "convert"]),
+    ("run-qwen2", RUN, ["--model", "{qwen2}"], ["model_type='qwen2'", "llama"]),
+    ("run-mistral", RUN, ["--model", "{mistral}"], ["model_type='mistral'"]),
+    ("run-sliding-window", RUN, ["--model", "{sliding-window}"], ["sliding_window=4096"]),
+    ("run-no-tokenizer", RUN, ["--model", "{no-tokenizer}"], ["tokenizer.json"]),
+    (
+        "run-no-tokenizer-bad-weights",
+        RUN,
+        ["--model", "{no-tokenizer-bad-weights}"],
+        ["tokenizer.json"],
+    ),
+    ("run-wrong-shapes", RUN, ["--model", "{wrong-shapes}"], ["k_proj.weight has shape"]),
+    ("run-broken-config", RUN, ["--model", "{broken-config}"], ["config.json", "not valid JSON"]),
+    (
+        "run-prompt-longer-than-pool",
+        RUN,
+        ["--model", "{sound}", "--block-size", "4", "--total-blocks", "3"],
+        ["prompt 1", "KV blocks", "--total-blocks"],
+    ),
+    (
+        "run-new-tokens-beyond-pool",
+        RUN,
+        ["--model", "{sound}", "--max-new-tokens", "100000"],
+        ["100000 new tokens", "--max-new-tokens"],
+    ),
+    (
+        "run-empty-prompt-no-bos",
+        RUN,
+        ["--model", "{sound}", "--prompt", "", "--no-chat-template"],
+        ["prompt 1 ('')", "empty", "no BOS"],
+    ),
+    ("bench-bin-only", "bench", ["--model", "{pytorch-bin-only}"], ["pytorch_model.bin"]),
+    ("bench-qwen2", "bench", ["--model", "{qwen2}"], ["model_type='qwen2'"]),
+    ("bench-mistral", "bench", ["--model", "{mistral}"], ["model_type='mistral'"]),
+    ("bench-sliding-window", "bench", ["--model", "{sliding-window}"], ["sliding_window=4096"]),
+    ("bench-wrong-shapes", "bench", ["--model", "{wrong-shapes}"], ["k_proj.weight has shape"]),
+    ("bench-broken-config", "bench", ["--model", "{broken-config}"], ["not valid JSON"]),
+]
+
+
+@pytest.fixture(scope="module")
+def outcomes(
+    checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Every case's command, run a few at a time (each mostly waits for its imports)."""
+    out = tmp_path_factory.mktemp("bench-out")
+
+    def one(case: tuple[str, str, list[str], list[str]]) -> subprocess.CompletedProcess[str]:
+        _, module, argv, _ = case
+        words = [checkpoints[a[1:-1]].as_posix() if a.startswith("{") else a for a in argv]
+        if module == "bench":
+            words += ["--out", str(out), "--repeats", "1", "--no-reference"]
+        return run_python("-m", module, *words)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        done = list(pool.map(one, CASES))
+    return {case[0]: result for case, result in zip(CASES, done)}
+
+
+def assert_one_error_line(proc: subprocess.CompletedProcess[str], prog: str) -> str:
+    """Non-zero exit, nothing on stdout, one stderr line in argparse's form, no traceback."""
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode != 0
+    assert proc.stdout == "", "nothing may be printed before the problem is found"
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"{prog}: error: "), lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("name", "module", "words"),
+    [(name, module, words) for name, module, _, words in CASES],
+    ids=[case[0] for case in CASES],
+)
+def test_a_user_error_is_one_line(
+    outcomes: dict[str, subprocess.CompletedProcess[str]], name: str, module: str, words: list[str]
+) -> None:
+    prog = "python -m bench" if module == "bench" else f"python -m {module}"
+    line = assert_one_error_line(outcomes[name], prog)
+    assert outcomes[name].returncode == 1
+    for word in words:
+        assert word in line, line
+
+
+def test_template_refusal_is_one_line(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """A template that refuses a system message (as Gemma's do) says so and how to do
+    without."""
+    folder = variant(checkpoints["sound"], tmp_path, "no-system", lambda f: None)
+    (folder / "chat_template.jinja").write_text(
+        "{% if messages[0]['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    proc = run_python("-m", RUN, "--model", str(folder), "--system", "Be brief.", "--prompt", "hi")
+    line = assert_one_error_line(proc, f"python -m {RUN}")
+    assert "System role not supported" in line and "--no-chat-template" in line
+
+
+# ---- the commands: before the slow part ----------------------------------------------------------
+
+
+def test_missing_tokenizer_fails_before_the_weights_load(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    run = importlib.import_module(RUN)
+    step = importlib.import_module(RUN.split(".")[0])
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the weights were loaded before tokenizer.json was looked for")
+
+    monkeypatch.setattr(step.TinyTransformerPaged, "from_pretrained", refuse)
+    start = time.perf_counter()
+    code = run.main(["--model", str(checkpoints["no-tokenizer-bad-weights"])])
+    assert time.perf_counter() - start < 1.0
+    assert code == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and "tokenizer.json" in captured.err
+
+
+def test_requests_are_checked_before_the_weights_load(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    run = importlib.import_module(RUN)
+    step = importlib.import_module(RUN.split(".")[0])
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the weights were loaded before the requests were checked")
+
+    monkeypatch.setattr(step.TinyTransformerPaged, "from_pretrained", refuse)
+    argv = ["--model", str(checkpoints["sound"]), "--max-new-tokens", "100000"]
+    assert run.main(argv) == 1
+    assert "--max-new-tokens" in capsys.readouterr().err
+
+
+def test_a_real_bug_keeps_its_traceback(checkpoints: dict[str, Path], monkeypatch) -> None:
+    """Only user errors are shortened: anything else is a bug, and its traceback is kept."""
+    run = importlib.import_module(RUN)
+    step = importlib.import_module(RUN.split(".")[0])
+
+    def bug(*args: object, **kwargs: object) -> None:
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(step.TinyTransformerPaged, "from_pretrained", bug)
+    with pytest.raises(KeyError):
+        run.main(["--model", str(checkpoints["sound"]), "--max-new-tokens", "2"])

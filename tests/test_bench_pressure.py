@@ -7,6 +7,10 @@ engine, which takes blocks as tokens need them, must run at least four per round
 in every step, with the dense reference's tokens (each request stopped at its own eos) and
 identical figures. A smaller pool must preempt, and change no token. ``--total-blocks`` below
 the largest request's whole life is refused before any work, with one ``error:`` line.
+
+The bench serves requests ``while engine.has_work``, with no bound on rounds: every test here
+runs under ``guard_every_engine`` (``tests/conftest.py``), so an engine that never finishes
+(a request never admitted, say) fails its test in seconds instead of hanging the suite.
 """
 
 from __future__ import annotations
@@ -31,18 +35,9 @@ from bench.harness import (
 from common.config import preset
 from common.front.workload import pressure_prompt_lengths, pressure_prompts
 from common.inputs import blocks_for_request
-from tests.helpers import STEP_NAMES, bench_usage_error
+from tests.helpers import MAX_ROUNDS_PER_ENGINE, STEP_NAMES, bench_usage_error
 
-
-@pytest.fixture
-def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail the test if the bench gets as far as loading a model or building a step."""
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError("work started before the flags were checked")
-
-    for name in ("load_model", "StepRunner", "matmul_gflops", "Reference"):
-        monkeypatch.setattr(showcase, name, refuse)
+pytestmark = pytest.mark.usefixtures("guard_every_engine")
 
 
 # ---- the flags ---------------------------------------------------------------------------------
@@ -208,6 +203,22 @@ def test_a_run_reports_the_engine_s_own_counters() -> None:
     assert result.seqs_per_round == s.seqs_per_round
     others = {s.evictions, s.resumed_cached_tokens, s.requests, s.requests_hit}
     assert s.preemptions not in others, "the figures must tell a wrong field apart"
+
+
+def test_a_stuck_engine_fails_the_test_instead_of_hanging() -> None:
+    """The guard the tests here run under: an engine ``StepRunner`` builds, left with a request
+    that its rounds never schedule (a livelock), raises once it has run
+    ``MAX_ROUNDS_PER_ENGINE`` rounds, instead of looping for ever in ``serve_requests``."""
+    workload = pressure_workload()
+    runner = StepRunner(STEP_NAMES[-1], bench_config(workload, "tiny", block_size=4))
+    engine = runner.engine(workload)
+    engine.add_request([1, 2, 3], 2)
+    engine._schedule = lambda: iter(())  # every round runs nobody: the request never moves
+    for _ in range(MAX_ROUNDS_PER_ENGINE):
+        engine.step()
+    assert engine.has_work
+    with pytest.raises(AssertionError, match="still has work"):
+        engine.step()
 
 
 def test_the_default_pool_is_roomy_enough_never_to_preempt() -> None:

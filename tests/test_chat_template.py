@@ -6,7 +6,9 @@ The checkpoint is built as a user would meet it: a byte-level BPE ``tokenizer.js
 here, in a second, on a few sentences), saved by transformers' ``save_pretrained`` with a chat
 template, next to a tiny Llama with grouped-query attention, tied embeddings and ``llama3``
 RoPE. transformers saves the template as ``chat_template.jinja``; checkpoints on the hub carry
-it in ``tokenizer_config.json``: both are tested.
+it in ``tokenizer_config.json``: both are tested, and when a folder has both, the file wins, as
+in transformers. Without ``add_generation_prompt`` the text ends with the last message, no
+assistant header after it.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from common.config import Llama3RopeScaling, preset
 from common.errors import UserError
-from common.front.chat import load_chat_template
+from common.front.chat import load_chat_template, messages_for
 from common.front.hf import hf_llama
 from common.front.text import common_prefix_len, encode_chat, generate_text, load_tokenizer
+from tests.helpers import edit_json
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
@@ -145,6 +148,18 @@ def transformers_ids(folder: Path, messages: list[dict[str, str]]) -> list[int]:
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
+def transformers_text(
+    folder: Path, messages: list[dict[str, str]], add_generation_prompt: bool
+) -> str:
+    """The text transformers' own ``apply_chat_template`` writes for the conversation."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    return tok.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
+
+
 CONVERSATIONS = {
     "system+user": (SYSTEM, "The capital of France is"),
     "user only": (None, "Water boils at"),
@@ -176,6 +191,44 @@ TOJSON_TEMPLATE = """{% for message in messages %}
 {% endfor %}
 {% if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
+
+
+def test_without_the_generation_prompt_the_text_ends_with_the_last_message(
+    chat_checkpoints: dict[str, Path],
+) -> None:
+    """``render(..., add_generation_prompt=False)`` writes the conversation alone, as
+    transformers does: it ends with the user's message, no assistant header after it (a
+    conversation to continue, or to score). With it, the same text and then the header, so
+    that the model writes the answer next."""
+    folder = chat_checkpoints["jinja"]
+    template = load_chat_template(folder)
+    messages = messages_for(PROMPTS[0], SYSTEM)
+    conversation = template.render(messages, add_generation_prompt=False)
+    assert conversation.endswith(f"{PROMPTS[0]}<|im_end|>\n")
+    assert "<|im_start|>assistant" not in conversation
+    assert template.render(messages) == conversation + "<|im_start|>assistant\n"
+    assert conversation == transformers_text(folder, messages, add_generation_prompt=False)
+
+
+def test_the_jinja_file_wins_over_the_tokenizer_config_field(
+    chat_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """A folder with both ``chat_template.jinja`` and a ``chat_template`` field in
+    tokenizer_config.json (say, a field left behind when the template was saved anew) is read
+    as transformers reads it: the file's template, not the field's. The tokens agree with
+    transformers' ``apply_chat_template`` on that folder."""
+    folder = tmp_path / "both"
+    shutil.copytree(chat_checkpoints["jinja"], folder)
+    field = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # no markup at all
+    edit_json(folder / "tokenizer_config.json", chat_template=field)
+    template = load_chat_template(folder)
+    assert template.source == "chat_template.jinja"
+    assert template.template == (folder / "chat_template.jinja").read_text()
+    assert template.template != field
+    messages = messages_for(PROMPTS[1], SYSTEM)
+    ours = encode_chat(load_tokenizer(folder), template, [PROMPTS[1]], SYSTEM)[0]
+    assert ours == transformers_ids(folder, messages)
+    assert "<|im_start|>user" in load_tokenizer(folder).decode(ours, skip_special_tokens=False)
 
 
 def test_tojson_as_transformers_writes_it(tmp_path: Path) -> None:

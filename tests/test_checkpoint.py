@@ -1,10 +1,30 @@
 """Real checkpoints: ``from_pretrained`` on a directory written by HF's ``save_pretrained``,
-text in and text out through every step, and the loader's refusals.
+the config fields it reads, text in and text out through every step, and what it refuses.
 
 The checkpoint is a tiny ``LlamaForCausalLM`` with everything current Llama checkpoints use
 (grouped-query attention, tied embeddings, ``llama3`` RoPE scaling) and a word-level
 ``tokenizer.json`` built here; HF's own ``generate`` on it is the oracle for the text. The same
 checkpoint goes through ``--model DIR`` of ``python -m bench`` and of every step's ``run.py``.
+
+- Loading: every tensor arrives where it belongs, from one file or from shards; the stored
+  dtype is cast to the configured one; ``dtype`` may be a string, a ``torch.dtype`` or
+  ``"auto"`` (the stored one); the weights are cast once and shared by every step's model.
+- config.json, as transformers writes it today and wrote it before: both RoPE layouts;
+  ``llama3`` fields left out take Llama 3.1's values (factor 8, low 1, high 4, original
+  context 8192); ``tie_word_embeddings`` absent means untied (transformers' default: the
+  model loads the checkpoint's own ``lm_head``); eos ids from generation_config.json or
+  config.json.
+- Text in, text out: the tokens of HF ``generate``, a request stopping at the checkpoint's
+  eos, the shared system prompt served from the cache.
+- Refusals, each naming what is wrong: weights that do not fit the config (checked from the
+  files' headers, before any weight is read), unsupported fields (``partial_rotary_factor``
+  below 1 wherever the config puts it), a folder that is not a checkpoint, eos ids that are
+  not token ids, a missing optional package. A bad argument names the argument and does not
+  blame config.json; ``generate_text`` refuses a bare string for its prompt list, ``model=``
+  together with pool overrides, and a model of another shape.
+
+What a command prints when it cannot serve a checkpoint (one ``error:`` line) is in
+``tests/test_bad_input.py``; the chat template in ``tests/test_chat_template.py``.
 """
 
 from __future__ import annotations
@@ -27,8 +47,11 @@ pytest.importorskip("tokenizers")
 
 from safetensors.torch import load_file, save_file
 
+import common.checkpoint as checkpoint_module
 from bench import showcase
 from common.checkpoint import config_from_hf, eos_token_ids, load_checkpoint
+from common.config import ModelConfig, preset
+from common.errors import CheckpointError
 from common.front.hf import hf_llama
 from common.front.text import (
     add_model_args,
@@ -37,8 +60,7 @@ from common.front.text import (
     load_tokenizer,
     run_text,
 )
-from common.weights import CheckpointError
-from tests.helpers import STEP_NAMES
+from tests.helpers import STEP_NAMES, edit_json
 from tests.toy_checkpoint import CFG, VOCAB, WORDS, word_tokenizer
 
 SYSTEM = "a small happy bird sat on the old tree today and it was here"
@@ -64,10 +86,20 @@ def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], eos: int | None)
     return outputs
 
 
-def edit_json(path: Path, **changes: object) -> None:
-    data = json.loads(path.read_text())
-    data.update(changes)
-    path.write_text(json.dumps(data))
+def save_model(folder: Path, cfg: ModelConfig, **config_changes: object) -> Path:
+    """``cfg``'s seeded model saved by transformers, a tokenizer, then config.json edited
+    (a value of None deletes the key)."""
+    hf_llama(cfg).save_pretrained(folder)
+    word_tokenizer().save(str(folder / "tokenizer.json"))
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in config_changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +133,13 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     }
 
 
-# ---- loading ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The toy model as transformers saves it, config.json untouched."""
+    return save_model(tmp_path_factory.mktemp("tied") / "ckpt", CFG)
+
+
+# ---- loading -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("layout", ["single", "sharded"])
@@ -139,6 +177,51 @@ def test_stored_dtype_is_cast_to_the_configured_one(step: ModuleType, tmp_path: 
         assert torch.equal(weight, stored["model.layers.1.mlp.down_proj.weight"].to(want))
 
 
+@pytest.mark.parametrize(
+    ("given", "want"),
+    [
+        ("bfloat16", torch.bfloat16),
+        ("torch.float64", torch.float64),
+        (torch.float16, torch.float16),
+        ("float32", torch.float32),
+    ],
+    ids=["bfloat16", "torch.float64", "torch-dtype", "float32"],
+)
+def test_dtype_as_a_string_or_a_torch_dtype(tied: Path, given: object, want: torch.dtype) -> None:
+    from step14_7 import TinyTransformerPaged
+
+    model = TinyTransformerPaged.from_pretrained(tied, dtype=given)
+    assert model.cfg.dtype == want and model.kv_pool_k.dtype == want
+    assert model.model.embed_tokens.weight.dtype == want
+    assert preset("tiny", dtype=given).dtype == want
+    assert ModelConfig(dtype=given).dtype == want
+
+
+def test_dtype_auto_is_the_stored_one(tmp_path: Path) -> None:
+    folder = save_model(tmp_path / "ckpt", CFG, dtype="bfloat16")
+    cfg, weights = load_checkpoint(folder, dtype="auto")
+    assert cfg.dtype == torch.bfloat16
+    assert {w.dtype for w in weights.values()} == {torch.bfloat16}
+
+
+def test_loaded_weights_are_cast_once_and_shared(checkpoint: dict[str, object]) -> None:
+    """``load_checkpoint`` casts; models built from its weights share them (one copy in memory
+    however many steps ``python -m bench`` builds)."""
+    from step14 import TinyTransformerPaged as First
+    from step14_7 import TinyTransformerPaged as Last
+
+    cfg, weights = load_checkpoint(checkpoint["single"], dtype=torch.float64)
+    assert {t.dtype for t in weights.values()} == {torch.float64}
+    first, last = First(cfg), Last(cfg)
+    first.load_weights(weights)
+    last.load_weights(weights)
+    name = "model.layers.0.mlp.gate_proj.weight"
+    assert first.state_dict()[name].data_ptr() == last.state_dict()[name].data_ptr()
+
+
+# ---- config.json, old and new --------------------------------------------------------------------
+
+
 def test_both_rope_config_layouts_give_the_same_config(checkpoint: dict[str, object]) -> None:
     """``rope_parameters`` (current transformers) and ``rope_theta`` + ``rope_scaling`` (older
     checkpoints, with ``rope_type`` or the even older ``type``) are read alike."""
@@ -156,6 +239,63 @@ def test_both_rope_config_layouts_give_the_same_config(checkpoint: dict[str, obj
     assert plain.rope_scaling is None and plain.rope_theta == 500000.0
 
 
+def hf_fields(**changes: object) -> dict[str, object]:
+    return {
+        "vocab_size": 62,
+        "hidden_size": 64,
+        "intermediate_size": 172,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        **changes,
+    }
+
+
+@pytest.mark.parametrize("layout", ["rope_scaling", "rope_parameters"])
+def test_absent_llama3_fields_take_llama_3_1_values(layout: str) -> None:
+    scaling = {"rope_type": "llama3", "factor": 32.0}  # only the factor given (Llama 3.2's)
+    if layout == "rope_parameters":
+        scaling["rope_theta"] = 500000.0
+    cfg = config_from_hf(hf_fields(**{layout: scaling}))
+    s = cfg.rope_scaling
+    assert (s.factor, s.low_freq_factor, s.high_freq_factor) == (32.0, 1.0, 4.0)
+    assert s.original_max_position_embeddings == 8192
+    bare = config_from_hf(hf_fields(**{layout: {"rope_type": "llama3"}})).rope_scaling
+    assert (bare.factor, bare.low_freq_factor, bare.high_freq_factor) == (8.0, 1.0, 4.0)
+    assert bare.original_max_position_embeddings == 8192
+
+
+def test_given_llama3_fields_are_kept() -> None:
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 4.0,
+        "low_freq_factor": 2.0,
+        "high_freq_factor": 8.0,
+        "original_max_position_embeddings": 64,
+    }
+    s = config_from_hf(hf_fields(rope_scaling=scaling)).rope_scaling
+    assert (s.factor, s.low_freq_factor, s.high_freq_factor) == (4.0, 2.0, 8.0)
+    assert s.original_max_position_embeddings == 64
+
+
+def test_full_rotary_is_accepted() -> None:
+    for value in (1.0, 1, None):
+        assert config_from_hf(hf_fields(partial_rotary_factor=value)).rope_scaling is None
+
+
+def test_config_without_tie_word_embeddings_is_untied(step: ModuleType, tmp_path: Path) -> None:
+    """HF's LlamaConfig defaults to untied; such a checkpoint stores its own lm_head, and the
+    model must use it, not the embedding."""
+    untied = CFG.replace(tie_word_embeddings=False)
+    folder = save_model(tmp_path / "ckpt", untied, tie_word_embeddings=None)
+    assert "tie_word_embeddings" not in json.loads((folder / "config.json").read_text())
+    stored = load_file(str(folder / "model.safetensors"))
+    assert not torch.equal(stored["lm_head.weight"], stored["model.embed_tokens.weight"])
+    model = step.TinyTransformerPaged.from_pretrained(folder)
+    assert model.cfg.tie_word_embeddings is False
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, stored["lm_head.weight"])
+
+
 def test_eos_ids_from_generation_config_or_config(checkpoint: dict[str, object]) -> None:
     folder = checkpoint["single"]
     assert eos_token_ids(folder) == [checkpoint["eos"]]  # generation_config.json says null
@@ -166,7 +306,7 @@ def test_eos_ids_from_generation_config_or_config(checkpoint: dict[str, object])
         edit_json(folder / "generation_config.json", eos_token_id=None)
 
 
-# ---- text in, text out -----------------------------------------------------------------------
+# ---- text in, text out ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("layout", ["single", "sharded"])
@@ -226,7 +366,7 @@ def test_run_text_prints_outputs_and_cache_figures(
     assert "prefix cache: 3/3 requests hit" in out
 
 
-# ---- refusals --------------------------------------------------------------------------------
+# ---- refusals: a checkpoint that does not fit ----------------------------------------------------
 
 
 def copy_with_weights(src: Path, dst: Path, edit) -> Path:
@@ -287,6 +427,24 @@ def test_redundant_tensors_are_accepted(checkpoint: dict[str, object], tmp_path:
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
+def test_shapes_are_checked_from_the_headers_first(
+    tied: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config that does not fit the stored tensors is refused without reading them."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tied, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["intermediate_size"] = 100
+    (folder / "config.json").write_text(json.dumps(config))
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("weights read before their shapes were checked")
+
+    monkeypatch.setattr(checkpoint_module, "read_safetensors", refuse)
+    with pytest.raises(CheckpointError, match=r"gate_proj.weight has shape \(172, 64\)"):
+        load_checkpoint(folder)
+
+
 @pytest.mark.parametrize(
     ("changes", "field"),
     [
@@ -314,6 +472,32 @@ def test_unsupported_fields_are_refused_by_name(
         load_checkpoint(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"partial_rotary_factor": 0.5},
+        {"rope_scaling": {"rope_type": "default", "partial_rotary_factor": 0.25}},
+        {
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.5,
+            }
+        },
+        {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "partial_rotary_factor": 0.5}},
+    ],
+    ids=["top-level", "rope_scaling", "rope_parameters", "llama3"],
+)
+def test_partial_rotary_below_one_is_refused(changes: dict[str, object]) -> None:
+    with pytest.raises(CheckpointError, match="partial_rotary_factor=0"):
+        config_from_hf(hf_fields(**changes))
+
+
+def test_a_bad_config_json_is_still_the_checkpoints_fault(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"config\.json"):
+        config_from_hf(hf_fields(num_key_value_heads=3))
+
+
 def test_not_a_checkpoint_directory(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="downloads nothing"):
         load_checkpoint(tmp_path / "meta-llama/Llama-3.2-1B")
@@ -328,6 +512,18 @@ def test_no_safetensors_is_refused(checkpoint: dict[str, object], tmp_path: Path
     (tmp_path / "config.json").write_text((checkpoint["single"] / "config.json").read_text())
     with pytest.raises(CheckpointError, match=r"no \*\.safetensors"):
         load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "eos", [[1, "2"], True, 2.5, [[1]]], ids=["str", "bool", "float", "nested"]
+)
+def test_eos_in_a_file_must_be_token_ids(tied: Path, tmp_path: Path, eos: object) -> None:
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tied, folder)
+    path = folder / "generation_config.json"
+    path.write_text(json.dumps({"eos_token_id": eos}))
+    with pytest.raises(CheckpointError, match=r"generation_config\.json: eos_token_id"):
+        eos_token_ids(folder)
 
 
 def test_missing_optional_packages_say_how_to_install(
@@ -356,22 +552,62 @@ def test_model_flag_wants_a_local_checkpoint_directory(
     assert "not a checkpoint directory" in capsys.readouterr().err
 
 
-def test_loaded_weights_are_cast_once_and_shared(checkpoint: dict[str, object]) -> None:
-    """``load_checkpoint`` casts; models built from its weights share them (one copy in memory
-    however many steps ``python -m bench`` builds)."""
-    from step14 import TinyTransformerPaged as First
-    from step14_7 import TinyTransformerPaged as Last
-
-    cfg, weights = load_checkpoint(checkpoint["single"], dtype=torch.float64)
-    assert {t.dtype for t in weights.values()} == {torch.float64}
-    first, last = First(cfg), Last(cfg)
-    first.load_weights(weights)
-    last.load_weights(weights)
-    name = "model.layers.0.mlp.gate_proj.weight"
-    assert first.state_dict()[name].data_ptr() == last.state_dict()[name].data_ptr()
+# ---- refusals: the caller's arguments ------------------------------------------------------------
 
 
-# ---- --model DIR: python -m bench and every step's run.py ----------------------------------
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"total_blocks": 0}, "total_blocks=0"),
+        ({"block_size": -4}, "block_size=-4"),
+        ({"dtype": "float8"}, "dtype='float8'"),
+        ({"dtype": torch.int64}, "dtype=torch.int64"),
+    ],
+    ids=["total_blocks", "block_size", "dtype-name", "dtype-int"],
+)
+def test_a_bad_argument_is_named_and_config_json_is_not_blamed(
+    tied: Path, overrides: dict[str, object], named: str
+) -> None:
+    from step14_7 import TinyTransformerPaged
+
+    with pytest.raises(ValueError) as info:
+        TinyTransformerPaged.from_pretrained(tied, **overrides)
+    assert not isinstance(info.value, CheckpointError), "the checkpoint is not at fault"
+    assert named in str(info.value) and "config.json" not in str(info.value)
+
+
+def test_an_unknown_argument_is_named(tied: Path) -> None:
+    from step14_7 import TinyTransformerPaged
+
+    with pytest.raises(TypeError, match="block_sise=4"):
+        TinyTransformerPaged.from_pretrained(tied, block_sise=4)
+
+
+def test_one_string_is_not_a_list_of_prompts(tied: Path) -> None:
+    with pytest.raises(ValueError, match="list of strings") as info:
+        generate_text("step14_7", tied, "the cat sat on", max_new_tokens=2)
+    assert "['the cat sat on']" in str(info.value), "the message shows the fix"
+
+
+def test_model_and_pool_overrides_together_are_refused(tied: Path) -> None:
+    from step14_7 import TinyTransformerPaged
+
+    model = TinyTransformerPaged.from_pretrained(tied, total_blocks=64)
+    with pytest.raises(ValueError, match="total_blocks=1"):
+        generate_text("step14_7", tied, ["the cat"], model=model, total_blocks=1)
+    result = generate_text("step14_7", tied, ["the cat"], max_new_tokens=2, model=model)
+    assert result.cfg.total_blocks == 64
+
+
+def test_a_model_from_another_checkpoint_is_refused(tied: Path) -> None:
+    from step14_7 import TinyTransformerPaged
+
+    other = TinyTransformerPaged(CFG.replace(num_layers=3))
+    with pytest.raises(ValueError, match="num_layers"):
+        generate_text("step14_7", tied, ["the cat"], model=other)
+
+
+# ---- --model DIR: python -m bench and every step's run.py ----------------------------------------
 
 
 def test_bench_runs_on_a_checkpoint(checkpoint: dict[str, object], tmp_path: Path, capsys) -> None:

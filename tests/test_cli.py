@@ -1,31 +1,55 @@
-"""The command lines: ``python -m bench`` and every step's ``python -m <step>.run``.
+"""The command lines: ``python -m bench`` and every step's ``python -m <step>.run`` (the demo,
+and the text front end with ``--model DIR``), and what they print.
 
-A bad value of any flag must end in one argparse ``error:`` line and exit status 2 before any
-work starts (no model built, nothing printed on stdout), and ``--help`` must show every default.
-The parsers are called in-process; one subprocess checks the real ``python -m bench`` wiring.
+- A bad value of any flag ends in argparse's form: one ``error:`` line, the last on stderr,
+  exit status 2, before any work starts (no model built, nothing on stdout). Every name in
+  ``--steps`` is checked; integer flags refuse ``2.5``, ``1e3``, ``inf`` and ``nan``; an
+  unusable ``--out`` is refused in well under a second.
+- ``--help`` shows every default, in plain text.
+- The bench's table, header and notes say what was measured: the speed-up against the first
+  step run, the computed tokens, the GFLOP and the machine's matmul rate counted the same way
+  (two FLOPs per multiply-add, checked against arithmetic done by hand here), the banner's KV
+  sizes (by hand too).
+- ``python -m bench`` shows a status line on stderr while a slow row runs, only on a terminal
+  and not with ``--quiet``; stdout gets the same whole lines either way.
+- The text front end says "1 token", and says why a system prompt shorter than one block
+  cannot hit.
+- The wiring: the real ``python -m bench`` in a fresh interpreter, a step that runs without the
+  bench package, ``bench/report.py`` not importing ``bench/showcase.py``, and the commands the
+  README and docs show printing no warning.
+
+The parsers are called in-process; subprocesses check the real entry points. A checkpoint
+served through ``--model DIR`` is in ``tests/test_checkpoint.py``; a checkpoint or request a
+command cannot serve (one ``error:`` line, exit 1) is in ``tests/test_bad_input.py``.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
+import io
 import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from bench import report, showcase
-from bench.harness import RunResult, Workload
-from common.config import preset
+from bench import costs, progress, report, showcase
+from bench.costs import TokenWork, matmul_gflops, model_flops
+from bench.harness import RunResult, StepRunner, Workload
+from common.config import ModelConfig, preset
 from common.front import demo
-from tests.helpers import STEP_NAMES
+from common.front.text import describe, plural, short_system_note
+from tests.helpers import STEP_NAMES, edit_json, run_python, usage_error
 
 ROOT = Path(__file__).resolve().parent.parent
-DEMO = importlib.import_module(f"{STEP_NAMES[0]}.run")
+FIRST_RUN = importlib.import_module(f"{STEP_NAMES[0]}.run")
+LAST_RUN = importlib.import_module(f"{STEP_NAMES[-1]}.run")
 
 
 @pytest.fixture
@@ -34,29 +58,7 @@ def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
-@pytest.fixture
-def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail the test if the showcase gets as far as building a step's engine."""
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError("work started before the flags were checked")
-
-    monkeypatch.setattr(showcase, "StepRunner", refuse)
-    monkeypatch.setattr(demo, "load_step", refuse)
-
-
-def expect_usage_error(main, argv: list[str], capsys: pytest.CaptureFixture) -> str:
-    """Run ``main(argv)``; it must exit 2 with one ``error:`` line and print nothing on stdout.
-    Returns that line."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    captured = capsys.readouterr()
-    assert captured.out == "", "nothing may run before the flags are checked"
-    errors = [line for line in captured.err.splitlines() if "error:" in line]
-    assert len(errors) == 1 and "Traceback" not in captured.err, captured.err
-    return errors[0]
-
+# ---- python -m bench: a bad flag is one error line, before any work ------------------------------
 
 BENCH_ERRORS = [
     (["--requests", "-3"], "argument --requests: must be >= 1, got -3"),
@@ -89,13 +91,13 @@ BENCH_ERRORS = [
     ("argv", "message"), BENCH_ERRORS, ids=[" ".join(a) for a, _ in BENCH_ERRORS]
 )
 def test_bench_refuses_a_bad_value(argv: list[str], message: str, capsys) -> None:
-    line = expect_usage_error(showcase.main, argv, capsys)
+    line = usage_error(showcase.main, argv, capsys)
     assert line.startswith("python -m bench: error:") and message in line, line
 
 
 @pytest.mark.usefixtures("no_work", "no_cuda")
 def test_bench_refuses_cuda_on_a_torch_without_it(capsys) -> None:
-    line = expect_usage_error(showcase.main, ["--device", "cuda"], capsys)
+    line = usage_error(showcase.main, ["--device", "cuda"], capsys)
     assert "argument --device: 'cuda': torch" in line and "cannot use CUDA" in line
 
 
@@ -103,16 +105,91 @@ def test_bench_refuses_cuda_on_a_torch_without_it(capsys) -> None:
 def test_bench_refuses_an_out_that_is_a_file(tmp_path: Path, capsys) -> None:
     a_file = tmp_path / "results.json"
     a_file.write_text("{}")
-    line = expect_usage_error(showcase.main, ["--out", str(a_file)], capsys)
+    line = usage_error(showcase.main, ["--out", str(a_file)], capsys)
     assert "is not a folder" in line
+
+
+@pytest.mark.parametrize(
+    ("out", "words"),
+    [("/proc/bench-results", "cannot write in /proc"), ("{file}/results", "is not a folder")],
+    ids=["unwritable", "under-a-file"],
+)
+def test_bench_refuses_an_unusable_out_folder(tmp_path: Path, out: str, words: str) -> None:
+    """The real command: argparse's usage, then one ``error:`` line, exit 2, no traceback."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    proc = run_python("-m", "bench", "--out", out.replace("{file}", str(a_file)))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0] == proc.stderr.splitlines()[-1]
+    assert "argument --out" in errors[0] and words in errors[0], errors[0]
+
+
+def test_bad_out_fails_before_any_work(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """However big the model, an unusable ``--out`` is found in well under a second (the model
+    load is also made to fail loudly, so "before" cannot mean "fast enough on a small model")."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("work started before --out was checked")
+
+    monkeypatch.setattr(showcase, "load_model", refuse)
+    monkeypatch.setattr(showcase, "StepRunner", refuse)
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as info:
+        showcase.main(["--out", "/proc/bench-results"])
+    assert time.perf_counter() - start < 1.0
+    assert info.value.code == 2
+    assert "cannot write in /proc" in capsys.readouterr().err
 
 
 @pytest.mark.usefixtures("no_work")
 def test_bench_model_directory_needs_a_config_json(tmp_path, capsys) -> None:
     """A folder that is not a checkpoint is refused by the --model type, before any work (a
     real checkpoint runs: tests/test_checkpoint.py)."""
-    line = expect_usage_error(showcase.main, ["--model", str(tmp_path)], capsys)
+    line = usage_error(showcase.main, ["--model", str(tmp_path)], capsys)
     assert "is neither a preset" in line and "no config.json" in line
+
+
+@pytest.mark.usefixtures("no_work")
+@pytest.mark.parametrize(
+    "steps",
+    [f"{STEP_NAMES[0]},step99", f"{STEP_NAMES[0]},{STEP_NAMES[-1]},nope", "nope,step14"],
+    ids=["second", "last", "first"],
+)
+def test_every_step_name_is_checked_before_any_work(steps: str, capsys) -> None:
+    line = usage_error(showcase.main, ["--steps", steps], capsys)
+    bad = next(name for name in steps.split(",") if name not in STEP_NAMES)
+    assert f"argument --steps: no step {bad!r}" in line
+
+
+BENCH_INT_FLAGS = [
+    "--requests",
+    "--prefix-len",
+    "--tail-len",
+    "--new-tokens",
+    "--max-running",
+    "--block-size",
+    "--repeats",
+    "--threads",
+]
+DEMO_INT_FLAGS = [
+    "--block-size",
+    "--total-blocks",
+    "--max-new-tokens",
+    "--max-running",
+    "--seed",
+    "--threads",
+]
+NOT_INTEGERS = ["2.5", "1e3", "inf", "nan", "-inf", "3.0"]
+
+
+@pytest.mark.usefixtures("no_work")
+@pytest.mark.parametrize("value", NOT_INTEGERS)
+@pytest.mark.parametrize("flag", BENCH_INT_FLAGS)
+def test_bench_integer_flags_refuse_what_is_not_an_integer(flag: str, value: str, capsys) -> None:
+    line = usage_error(showcase.main, [f"{flag}={value}"], capsys)
+    assert f"argument {flag}: {value!r} is not an integer" in line, line
 
 
 def test_bench_accepts_the_edge_values() -> None:
@@ -126,6 +203,9 @@ def test_bench_accepts_the_edge_values() -> None:
     assert args.steps == [STEP_NAMES[-1], STEP_NAMES[0]]  # the order given, blanks ignored
     assert showcase.parse_args([]).steps == STEP_NAMES
     assert showcase.parse_args(["--steps", "all"]).steps == STEP_NAMES
+
+
+# ---- python -m <step>.run: the same for the demo's flags -----------------------------------------
 
 
 def demo_errors() -> list[tuple[list[str], str]]:
@@ -152,19 +232,36 @@ def demo_errors() -> list[tuple[list[str], str]]:
 @pytest.mark.usefixtures("no_work")
 @pytest.mark.parametrize(("argv", "message"), demo_errors(), ids=lambda v: str(v))
 def test_demo_refuses_a_bad_value(argv: list[str], message: str, capsys) -> None:
-    line = expect_usage_error(DEMO.main, argv, capsys)
+    line = usage_error(FIRST_RUN.main, argv, capsys)
     assert line.startswith(f"python -m {STEP_NAMES[0]}.run: error:") and message in line, line
 
 
 @pytest.mark.usefixtures("no_work", "no_cuda")
 def test_demo_refuses_cuda_on_a_torch_without_it(capsys) -> None:
-    line = expect_usage_error(DEMO.main, ["--device", "cuda"], capsys)
+    line = usage_error(FIRST_RUN.main, ["--device", "cuda"], capsys)
     assert "cannot use CUDA" in line
+
+
+@pytest.mark.usefixtures("no_work")
+def test_no_chat_template_needs_a_model(capsys) -> None:
+    line = usage_error(LAST_RUN.main, ["--no-chat-template"], capsys)
+    assert "--no-chat-template needs --model DIR" in line
+
+
+@pytest.mark.usefixtures("no_work")
+@pytest.mark.parametrize("value", NOT_INTEGERS)
+@pytest.mark.parametrize("flag", DEMO_INT_FLAGS)
+def test_demo_integer_flags_refuse_what_is_not_an_integer(flag: str, value: str, capsys) -> None:
+    line = usage_error(LAST_RUN.main, [f"{flag}={value}"], capsys)
+    assert f"argument {flag}: {value!r} is not an integer" in line, line
 
 
 def test_demo_pool_just_big_enough_is_accepted() -> None:
     need = demo.blocks_for_longest_request(16, 16)
     assert demo.parse_args(STEP_NAMES[0], ["--total-blocks", str(need)]).total_blocks == need
+
+
+# ---- --help --------------------------------------------------------------------------------------
 
 
 def help_text(main, capsys: pytest.CaptureFixture) -> str:
@@ -176,7 +273,7 @@ def help_text(main, capsys: pytest.CaptureFixture) -> str:
 
 @pytest.mark.parametrize("which", ["bench", "demo"])
 def test_help_shows_every_default_and_no_rest_markup(which: str, capsys) -> None:
-    text = help_text(showcase.main if which == "bench" else DEMO.main, capsys)
+    text = help_text(showcase.main if which == "bench" else FIRST_RUN.main, capsys)
     options = set(re.findall(r"^  (--[a-z-]+)", text, re.MULTILINE))
     assert len(options) >= 8
     assert text.count("(default:") == len(options), "an option without its default"
@@ -184,8 +281,11 @@ def test_help_shows_every_default_and_no_rest_markup(which: str, capsys) -> None
 
 
 def test_demo_help_names_the_chapter(capsys) -> None:
-    text = help_text(DEMO.main, capsys)
+    text = help_text(FIRST_RUN.main, capsys)
     assert 'the chapter "Paged Prefix Cache"' in text and "prefix cache" in text
+
+
+# ---- what the bench prints: the table, the header, the notes -------------------------------------
 
 
 def fake_row(name: str, seconds: float, computed_prefill: int) -> showcase.Row:
@@ -253,6 +353,190 @@ def test_phases_say_how_long_and_how_to_skip_a_slow_reference() -> None:
     assert "Hugging Face 3.0 s" in slow and "--no-reference" in slow
 
 
+# ---- FLOPs, by hand ------------------------------------------------------------------------------
+
+# One layer, d_model 8, 2 query heads of 4, 1 KV head, d_ff 16, vocab 10.
+HAND_CFG = ModelConfig(
+    vocab_size=10, d_model=8, num_heads=2, num_kv_heads=1, num_layers=1, d_ff=16, seed=None
+)
+
+
+def test_model_flops_are_two_per_multiply_add_by_hand() -> None:
+    """Three tokens at positions 0, 1, 2 (context 1 + 2 + 3 = 6 keys), one of them sampled.
+
+    Multiply-adds, counted by hand:
+      q_proj 8x8 = 64, k_proj 8x4 = 32, v_proj 8x4 = 32, o_proj 8x8 = 64,
+      gate/up/down 3 x 8x16 = 384: 576 per token, x 3 tokens = 1728;
+      attention, per key: q.k (2 heads x 4) + weights x v (2 x 4) = 16, x 6 keys = 96;
+      lm_head 8x10 = 80, once.
+    Total 1728 + 96 + 80 = 1904 multiply-adds = 3808 FLOPs.
+    """
+    work = TokenWork()
+    work.add_chunk(0, 3)
+    work.sampled = 1
+    assert (work.tokens, work.context) == (3, 6)
+    assert model_flops(HAND_CFG, work) == 3808
+
+
+def test_the_machine_rate_is_two_flops_per_multiply_add_by_hand(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 100x100 by 100x100 matmul is 100**3 = 1,000,000 multiply-adds: 2,000,000 FLOPs. A
+    clock that says each one took 1 ms makes that 2.0 GFLOP/s."""
+    ticks = iter(i * 0.001 for i in range(1000))
+
+    class Clock:
+        @staticmethod
+        def perf_counter() -> float:
+            return next(ticks)
+
+    monkeypatch.setattr(costs, "time", Clock)
+    assert matmul_gflops("cpu", n=100, repeats=3) == pytest.approx(2.0)
+
+
+# ---- the banner's KV sizes, by hand --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cfg", "with_gqa", "without"),
+    [
+        # 2 layers x block 4 x 2 KV heads x d_head 16 x 4 bytes x 2 (K and V) = 2048 B;
+        # 4 heads without GQA: 4096 B.
+        (preset("tiny", num_kv_heads=2, block_size=4), "2 KiB", "4 KiB"),
+        # 4 layers x 16 x 1 KV head x 32 x 2 bytes x 2 = 8192 B; 8 heads: 65536 B.
+        (ModelConfig(num_kv_heads=1, dtype=torch.bfloat16), "8 KiB", "64 KiB"),
+    ],
+    ids=["tiny-gqa", "demo-mqa-bf16"],
+)
+def test_banner_without_gqa_is_the_full_head_size(
+    cfg: ModelConfig, with_gqa: str, without: str
+) -> None:
+    pool = describe(cfg)[1]
+    assert f"{with_gqa} of K and V per block ({without} without grouped-query attention)" in pool
+
+
+def test_banner_says_nothing_about_gqa_without_it() -> None:
+    assert "grouped-query" not in describe(preset("tiny"))[1]
+
+
+# ---- progress on stderr --------------------------------------------------------------------------
+
+
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_slow_task_shows_a_status_line_then_erases_it() -> None:
+    stream = Terminal()
+    bar = progress.Progress(stream, delay=0.0, interval=0.01)
+    with bar.task("step14_3") as task:
+        task.note = "run 2/3"
+        task.live = lambda: "1,024 tokens computed"
+        time.sleep(0.1)
+    text = stream.getvalue()
+    assert "\r\x1b[K  step14_3: run 2/3, 1,024 tokens computed, 0 s" in text
+    assert text.endswith("\r\x1b[K"), "the line is erased when the task ends"
+
+
+def test_a_quick_task_shows_nothing() -> None:
+    stream = Terminal()
+    with progress.Progress(stream, delay=5.0).task("quick"):
+        pass
+    assert stream.getvalue() == ""
+
+
+def test_no_status_line_off_a_terminal_or_when_disabled() -> None:
+    for bar in (
+        progress.Progress(io.StringIO(), delay=0.0, interval=0.01),  # not a terminal
+        progress.Progress(Terminal(), enabled=False, delay=0.0, interval=0.01),
+    ):
+        with bar.task("x"):
+            time.sleep(0.05)
+        assert bar.stream.getvalue() == ""
+
+
+ARGV = [
+    *("--model", "tiny", "--requests", "2", "--prefix-len", "8", "--tail-len", "4"),
+    *("--new-tokens", "2", "--repeats", "2", "--no-hf", "--no-reference"),
+    *("--steps", STEP_NAMES[-1]),
+]
+
+
+@pytest.mark.parametrize("quiet", [False, True], ids=["terminal", "quiet"])
+def test_bench_shows_each_row_and_its_repeats_on_a_terminal(
+    quiet: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    monkeypatch.setattr(progress, "INTERVAL_S", 0.001)
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    real_run = StepRunner.run
+
+    def slow_run(self: StepRunner, *args: object, **kwargs: object) -> object:
+        """Long enough for the status line to be drawn, however busy the machine."""
+        time.sleep(0.2)
+        return real_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(StepRunner, "run", slow_run)
+    argv = [*ARGV, "--out", str(tmp_path), *(["--quiet"] if quiet else [])]
+    assert showcase.main(argv) == 0
+    status = sys.stderr.getvalue()
+    out = capsys.readouterr().out
+    assert f"\n  {STEP_NAMES[-1]} " in out, "the table's rows go to stdout either way"
+    if quiet:
+        assert status == ""
+    else:
+        assert f"  {STEP_NAMES[-1]}: run 1/2" in status
+        assert f"  {STEP_NAMES[-1]}: run 2/2" in status
+        assert f"  {STEP_NAMES[-1]} (no cache): run 1/2" in status
+        assert "\r" not in out, "stdout gets whole lines only"
+
+
+def test_the_status_line_counts_the_running_engines_tokens() -> None:
+    runner = StepRunner(STEP_NAMES[-1], preset("tiny"))
+    figure = showcase.computed_so_far(runner)
+    assert figure() == ""  # between runs
+    runner.live = TokenWork(tokens=1234)
+    assert figure() == "1,234 tokens computed"
+
+
+# ---- the text front end's words ------------------------------------------------------------------
+
+
+def test_one_token_is_singular() -> None:
+    assert plural(1, "token") == "1 token" and plural(2, "token") == "2 tokens"
+    assert plural(0, "new token") == "0 new tokens"
+
+
+def test_a_short_system_prompt_says_why_it_cannot_hit() -> None:
+    note = short_system_note(12, 16)
+    assert "12 tokens, shorter than one block of 16" in note
+    assert "--block-size 8" in note  # a block size the 12 tokens fill at least once
+
+
+def test_run_text_prints_one_token_and_the_short_system_note(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("safetensors")
+    from common.front.hf import hf_llama
+    from tests.toy_checkpoint import CFG, word_tokenizer
+
+    hf_llama(CFG).save_pretrained(tmp_path)
+    word_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    argv = ["--model", str(tmp_path), "--max-new-tokens", "1", "--system", "the cat"]
+    assert LAST_RUN.main([*argv, "--prompt", "sat", "--prompt", "ran"]) == 0
+    out = capsys.readouterr().out
+    assert "(1 token)" in out and "(1 tokens)" not in out
+    assert "system prompt: 'the cat' (3 tokens," in out  # <s> the cat
+    assert "0/2 requests hit" in out
+    assert "3 tokens, shorter than one block of 16" in out
+
+
+# ---- end to end, and the wiring ------------------------------------------------------------------
+
+
 def test_a_tiny_subset_runs_end_to_end(tmp_path: Path, capsys) -> None:
     first, last = STEP_NAMES[-2], STEP_NAMES[-1]
     argv = "--model tiny --requests 2 --prefix-len 8 --tail-len 4 --new-tokens 2 --repeats 1"
@@ -302,3 +586,74 @@ def test_a_step_stands_without_the_bench_package() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, relative imports resolved inside ``bench``."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = f"bench.{node.module or ''}".rstrip(".") if node.level else node.module
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def test_report_does_not_import_showcase() -> None:
+    """showcase runs and report prints; the Row both use lives in bench/rows.py."""
+    assert "bench.showcase" not in imported_modules(ROOT / "bench" / "report.py")
+    assert "bench.report" in imported_modules(ROOT / "bench" / "showcase.py")
+
+
+# ---- the documented commands print no warning ----------------------------------------------------
+#
+# ``python -W error::UserWarning`` turns a Python warning into a failure; transformers' logged
+# warnings are caught by requiring an empty stderr.
+
+RUN = "step14_7.run"
+
+
+@pytest.fixture(scope="module")
+def llama32_style(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama 3.2's RoPE (llama3 scaling of an 8192-token original context, 32x, declared
+    max_position_embeddings 131072), bf16 weights and eos [<|im_end|>, <|endoftext|>]."""
+    chat = pytest.importorskip("tests.test_chat_template")
+    from common.config import Llama3RopeScaling
+
+    folder = tmp_path_factory.mktemp("llama32") / "ckpt"
+    chat.save_chat_checkpoint(folder, rope_scaling=Llama3RopeScaling(32.0, 1.0, 4.0, 8192))
+    edit_json(
+        folder / "config.json",
+        max_position_embeddings=131072,
+        eos_token_id=[2, 0],
+        dtype="bfloat16",
+    )
+    return folder
+
+
+def quiet_commands(folder: Path, out: Path) -> dict[str, list[str]]:
+    """The README's and docs' commands, on the Llama-3.2-style checkpoint, sized down."""
+    small = ["--repeats", "1", "--requests", "2", "--prefix-len", "8", "--tail-len", "4"]
+    return {
+        "demo": [RUN, "--max-new-tokens", "2"],
+        "text": [RUN, "--model", str(folder), "--max-new-tokens", "4", "--prompt", "Water"],
+        "bench": ["bench", *small, "--new-tokens", "2", "--steps", "step14_7", "--out", str(out)],
+        "bench-model": [
+            "bench",
+            *small,
+            *("--new-tokens", "2", "--steps", "step14_7", "--model", str(folder)),
+            *("--out", str(out)),
+        ],
+    }
+
+
+@pytest.mark.parametrize("name", ["demo", "text", "bench", "bench-model"])
+def test_the_documented_commands_print_no_warning(
+    llama32_style: Path, tmp_path: Path, name: str
+) -> None:
+    argv = quiet_commands(llama32_style, tmp_path)[name]
+    proc = run_python("-W", "error::UserWarning", "-m", *argv)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stderr == "", proc.stderr

@@ -1,16 +1,17 @@
-"""The engine's memory: admission by the first chunk, allocation on demand, preemption by
-recompute, exact block figures, and a pool under pressure.
+"""The engine's memory: admission by the first chunk, allocation on demand, exact block
+figures, and a pool under pressure.
 
 The specification: a waiting request is admitted, first come first served and up to
 max_running, once the blocks its first chunk needs (after adopting what the cache holds) fit in
-what is free or evictable; every later block is allocated when a chunk or a decode token first
-needs it. A running request that finds no block preempts the most recently admitted one (maybe
-itself), which gives every block back, keeps its tokens, goes back to the front of the queue
-and later prefills prompt + output again: the same tokens, every request finishing, no block
-lost, the same figures in every step. ``EngineStats``' block figures are exact: free + cached +
-used-but-uncached = total, at every round. With a pool squeezed down to the largest single
-request, every request still finishes with exactly the tokens of a roomy pool and of the dense
-reference, and the cache evicts what it must.
+what is free or evictable, and nobody is admitted in a round that had to preempt; every later
+block is allocated when a chunk or a decode token first needs it, so a pool that worst-case
+reservation would fill with two requests runs four or more. ``EngineStats``' block figures are
+exact: free + cached + used-but-uncached = total, at every round. With a pool squeezed down to
+the largest single request, every request still finishes with exactly the tokens of a roomy
+pool and of the dense reference, and the cache evicts what it must.
+
+What happens when a running request finds no block (preemption of the youngest, recompute,
+nothing lost) is in ``test_engine_preemption.py``.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from collections.abc import Callable
 import pytest
 
 from common.front.workload import shared_prefix_prompts
-from common.inputs import cdiv
+from common.inputs import blocks_for_request, cdiv
 from tests.helpers import (
     EngineFactory,
     blocks_needed,
+    guard_against_hangs,
     life_in_rounds,
     log_schedules,
     reference_tokens,
@@ -38,7 +40,7 @@ BS = CFG.block_size
 VOCAB = CFG.vocab_size
 
 
-# ---- admission: the first chunk, first come first served ------------------------------------
+# ---- admission: the first chunk, first come first served, not in a round that preempts -----------
 
 
 def test_engine_admission_needs_only_the_first_chunk(make_engine: EngineFactory) -> None:
@@ -63,6 +65,25 @@ def test_engine_admission_needs_only_the_first_chunk(make_engine: EngineFactory)
     assert engine.stats.preemptions == 0
     for prompt, (_, m), rid in zip(prompts, sizes, ids):
         assert engine.pop_output(rid) == reference_tokens(cfg, [prompt], m)[0]
+
+
+def test_a_request_that_may_need_the_whole_pool_starts_beside_another(
+    make_engine: EngineFactory,
+) -> None:
+    """A request whose worst case (prompt + max_new_tokens) is the whole pool is admitted in the
+    same round as another one, because its first chunk fits; worst-case reservation would make
+    it wait until the pool is empty. Both then finish with the reference's tokens."""
+    cfg = tiny_config(block_size=BS, total_blocks=8)
+    engine = make_engine(cfg, max_running=2)
+    first, second = tokens(100, BS), tokens(101, BS)
+    ids = [engine.add_request(first, 2)]
+    ids.append(engine.add_request(second, 8 * BS - BS + 1))  # needs all 8 blocks by the end
+    assert blocks_for_request(BS, 8 * BS - BS + 1, BS) == cfg.total_blocks
+    engine.step()
+    assert [s.seq_id for s in engine.scheduler.running] == ids
+    run_rounds(engine)
+    assert engine.pop_output(ids[0]) == reference_tokens(cfg, [first], 2)[0]
+    assert engine.pop_output(ids[1]) == reference_tokens(cfg, [second], 8 * BS - BS + 1)[0]
 
 
 def test_the_head_of_the_queue_is_not_overtaken(make_engine: EngineFactory) -> None:
@@ -91,7 +112,35 @@ def test_the_head_of_the_queue_is_not_overtaken(make_engine: EngineFactory) -> N
         assert engine.pop_output(rid)
 
 
-# ---- allocation on demand: every block comes back ---------------------------------------------
+@pytest.mark.parametrize("enable_prefix_cache", [True, False], ids=["cache", "nocache"])
+def test_a_round_that_preempts_admits_nobody(
+    make_engine: EngineFactory, enable_prefix_cache: bool
+) -> None:
+    """Memory is short in a round that had to preempt: nobody waiting joins in it, not even the
+    victim, whose first chunk would fit in the blocks it has just given back."""
+    cfg = tiny_config(block_size=BS, total_blocks=5)
+    engine = make_engine(cfg, max_running=3, enable_prefix_cache=enable_prefix_cache)
+    prompts = [tokens(90, 7), tokens(91, 3), tokens(92, 2)]
+    ids = [engine.add_request(p, 8) for p in prompts]
+    preempting_rounds = 0
+    while engine.has_work:
+        waiting_before = {s.seq_id for s in engine.scheduler.waiting}
+        preempted_before = {s.seq_id: s.num_preemptions for s in engine.scheduler.running}
+        before = engine.stats.preemptions
+        engine.step()
+        if engine.stats.preemptions == before:
+            continue
+        preempting_rounds += 1
+        running = {s.seq_id for s in engine.scheduler.running}
+        assert not running & waiting_before, "a round that preempted admitted a waiting request"
+        victims = [s for s in engine.scheduler.waiting if s.status.name == "PREEMPTED"]
+        assert len(victims) >= engine.stats.preemptions - before
+        assert all(v.num_preemptions > preempted_before.get(v.seq_id, 0) for v in victims[:1])
+    assert preempting_rounds > 0, "the scenario never preempted"
+    assert [engine.pop_output(i) for i in ids] == reference_tokens(cfg, prompts, 8)
+
+
+# ---- allocation on demand: every block comes back ------------------------------------------------
 
 
 POOL = 6
@@ -159,7 +208,37 @@ def test_allocation_is_lazy_and_never_beyond_the_need(make_engine: EngineFactory
     assert len(engine.pop_output(rid)) == max_new
 
 
-# ---- EngineStats: exact block figures ---------------------------------------------------------
+def occupancy_workload() -> tuple[list[list[int]], list[int], int]:
+    """Two dozen short prompts whose answers end at an eos within a dozen tokens, asked with
+    max_new_tokens=64: the reservation waste the PagedAttention paper set out to remove."""
+    cfg = tiny_config(block_size=BS)
+    rng = random.Random(7)
+    prompts = [tokens(200 + i, rng.randrange(4, 12)) for i in range(24)]
+    answers = reference_tokens(cfg, prompts, 13)
+    eos = [answer[rng.randrange(5, 13)] for answer in answers]
+    return prompts, eos, 64
+
+
+def test_memory_on_demand_runs_several_requests_per_round(step) -> None:
+    """In a 48-block pool, worst-case reservation could hold two of these requests at a time;
+    allocating on demand the engine runs at least four per round on average, every token as
+    the reference's (each request stops at its eos)."""
+    prompts, eos, max_new = occupancy_workload()
+    cfg = tiny_config(block_size=BS, total_blocks=48)
+    reserved = min(blocks_for_request(len(p), max_new, BS) for p in prompts)
+    assert cfg.total_blocks // reserved <= 2, "worst-case reservation would run two at most"
+    engine = step.PagedPrefixCacheEngine(step.TinyTransformerPaged(cfg), max_running=8)
+    guard_against_hangs(engine)
+    ids = [engine.add_request(p, max_new, e) for p, e in zip(prompts, eos)]
+    while engine.has_work:
+        engine.step()
+    for rid, prompt, e in zip(ids, prompts, eos):
+        assert engine.pop_output(rid) == reference_tokens(cfg, [prompt], max_new, e)[0]
+    assert engine.stats.seqs_per_round >= 4
+    assert engine.ref_count_problems() == []
+
+
+# ---- EngineStats: exact block figures ------------------------------------------------------------
 
 
 def test_blocks_used_counts_cached_blocks_that_requests_hold(make_engine: EngineFactory) -> None:
@@ -212,7 +291,7 @@ def test_block_figures_at_rest_after_one_request(make_engine: EngineFactory) -> 
         )
 
 
-# ---- memory pressure: many requests through a pool far smaller than their total need ---------
+# ---- memory pressure: many requests through a pool far smaller than their total need -------------
 #
 # Squeeze the pool down to the largest single request: every request still finishes with
 # exactly the tokens of a roomy pool and of the dense reference, and no block leaks.

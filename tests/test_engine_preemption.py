@@ -1,16 +1,18 @@
-"""Memory on demand: admission by the next chunk, preemption by recompute (vLLM v1's way).
+"""Preemption by recompute (vLLM v1's way): what happens when a running request finds no block.
 
-A waiting request is admitted when its first chunk fits; every later block is taken when a
-token first needs it. A running request that finds no block preempts the most recently admitted
-one (maybe itself), which gives every block back, keeps its tokens, returns to the front of the
-queue and later prefills prompt + output again. These tests hold the engine to it: the same
-tokens as the dense reference under any amount of preemption, the same figures in every step,
-the victim always the youngest, every request finishing, and no block lost.
+It preempts the most recently admitted request (maybe itself), which gives every block back,
+keeps its tokens, returns to the front of the queue and later prefills prompt + output again.
+These tests hold the engine to it: the same tokens as the dense reference under any amount of
+preemption, the same figures in every step, the victim always the youngest, the oldest always
+progressing (every request finishes), no block lost, and no cached block whose KV was never
+written.
+
+Admission (by the first chunk, first come first served, nobody in a round that preempted) and
+allocation on demand are in ``test_engine_memory.py``.
 """
 
 from __future__ import annotations
 
-import random
 from dataclasses import asdict
 from functools import cache
 
@@ -18,15 +20,9 @@ import pytest
 
 from common.front.steps import load_step
 from common.inputs import blocks_for_request
-from tests.helpers import EngineFactory, guard_against_hangs, reference_tokens, tiny_config
+from tests.helpers import EngineFactory, guard_against_hangs, reference_tokens, tiny_config, tokens
 
 BS = 4
-VOCAB = tiny_config().vocab_size
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(VOCAB) for _ in range(n)]
 
 
 # (pool blocks, max_running, prompts, max_new_tokens, eos picked from the reference or None)
@@ -124,49 +120,6 @@ def test_the_youngest_running_request_is_preempted(make_engine: EngineFactory) -
 
 
 @pytest.mark.parametrize("enable_prefix_cache", [True, False], ids=["cache", "nocache"])
-def test_a_round_that_preempts_admits_nobody(
-    make_engine: EngineFactory, enable_prefix_cache: bool
-) -> None:
-    """Memory is short in a round that had to preempt: nobody waiting joins in it, not even the
-    victim, whose first chunk would fit in the blocks it has just given back."""
-    cfg = tiny_config(block_size=BS, total_blocks=5)
-    engine = make_engine(cfg, max_running=3, enable_prefix_cache=enable_prefix_cache)
-    prompts = [tokens(90, 7), tokens(91, 3), tokens(92, 2)]
-    ids = [engine.add_request(p, 8) for p in prompts]
-    preempting_rounds = 0
-    while engine.has_work:
-        waiting_before = {s.seq_id for s in engine.scheduler.waiting}
-        preempted_before = {s.seq_id: s.num_preemptions for s in engine.scheduler.running}
-        before = engine.stats.preemptions
-        engine.step()
-        if engine.stats.preemptions == before:
-            continue
-        preempting_rounds += 1
-        running = {s.seq_id for s in engine.scheduler.running}
-        assert not running & waiting_before, "a round that preempted admitted a waiting request"
-        victims = [s for s in engine.scheduler.waiting if s.status.name == "PREEMPTED"]
-        assert len(victims) >= engine.stats.preemptions - before
-        assert all(v.num_preemptions > preempted_before.get(v.seq_id, 0) for v in victims[:1])
-    assert preempting_rounds > 0, "the scenario never preempted"
-    assert [engine.pop_output(i) for i in ids] == reference_tokens(cfg, prompts, 8)
-
-
-def test_admission_needs_only_the_first_chunk(make_engine: EngineFactory) -> None:
-    """A request whose worst case (prompt + max_new_tokens) is the whole pool is admitted beside
-    a running one, because its first chunk fits; worst-case reservation would make it wait."""
-    cfg = tiny_config(block_size=BS, total_blocks=8)
-    engine = make_engine(cfg, max_running=2)
-    first, second = tokens(100, BS), tokens(101, BS)
-    engine.add_request(first, 2)
-    engine.add_request(second, 8 * BS - BS + 1)  # needs all 8 blocks by the end
-    assert blocks_for_request(BS, 8 * BS - BS + 1, BS) == cfg.total_blocks
-    engine.step()
-    assert len(engine.scheduler.running) == 2
-    while engine.has_work:
-        engine.step()
-
-
-@pytest.mark.parametrize("enable_prefix_cache", [True, False], ids=["cache", "nocache"])
 def test_the_oldest_request_always_progresses(
     make_engine: EngineFactory, enable_prefix_cache: bool
 ) -> None:
@@ -180,36 +133,6 @@ def test_the_oldest_request_always_progresses(
     engine = make_engine(cfg, max_running=5, enable_prefix_cache=enable_prefix_cache)
     assert engine.generate(prompts, max_new) == reference_tokens(cfg, prompts, max_new)
     assert engine.stats.preemptions > 0
-
-
-def occupancy_workload() -> tuple[list[list[int]], list[int], int]:
-    """Two dozen short prompts whose answers end at an eos within a dozen tokens, asked with
-    max_new_tokens=64: the reservation waste the PagedAttention paper set out to remove."""
-    cfg = tiny_config(block_size=BS)
-    rng = random.Random(7)
-    prompts = [tokens(200 + i, rng.randrange(4, 12)) for i in range(24)]
-    answers = reference_tokens(cfg, prompts, 13)
-    eos = [answer[rng.randrange(5, 13)] for answer in answers]
-    return prompts, eos, 64
-
-
-def test_memory_on_demand_runs_several_requests_per_round(step) -> None:
-    """In a 48-block pool, worst-case reservation could hold two of these requests at a time;
-    allocating on demand the engine runs at least four per round on average, every token as
-    the reference's (each request stops at its eos)."""
-    prompts, eos, max_new = occupancy_workload()
-    cfg = tiny_config(block_size=BS, total_blocks=48)
-    reserved = min(blocks_for_request(len(p), max_new, BS) for p in prompts)
-    assert cfg.total_blocks // reserved <= 2, "worst-case reservation would run two at most"
-    engine = step.PagedPrefixCacheEngine(step.TinyTransformerPaged(cfg), max_running=8)
-    guard_against_hangs(engine)
-    ids = [engine.add_request(p, max_new, e) for p, e in zip(prompts, eos)]
-    while engine.has_work:
-        engine.step()
-    for rid, prompt, e in zip(ids, prompts, eos):
-        assert engine.pop_output(rid) == reference_tokens(cfg, [prompt], max_new, e)[0]
-    assert engine.stats.seqs_per_round >= 4
-    assert engine.ref_count_problems() == []
 
 
 def test_every_block_cached_in_a_round_was_written_in_it(step) -> None:

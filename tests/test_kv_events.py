@@ -4,6 +4,8 @@ A consumer that replays the stream (``common.kv_events.replay``) must hold exact
 prefix cache holds, hash -> (parent hash, token ids), after every round: through random
 scenarios with tight pools (evictions, preemptions), aborts and ``reset_prefix_cache``. Every
 step emits the same stream on the same requests. With events off, nothing is recorded at all.
+``replay`` also reads vLLM's own shape of a ``BlockStored``, several blocks in one event, each
+chained to the block before it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 from common.front.steps import load_step
 from common.front.workload import random_shared_prefix_prompts
 from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, replay
-from tests.conftest import STEP_NAMES, guard_against_hangs, tiny_config
+from tests.helpers import STEP_NAMES, guard_against_hangs, tiny_config
 
 SEEDS = range(20)
 BS = 4
@@ -167,3 +169,33 @@ def test_with_the_prefix_cache_off_there_is_nothing_to_report(step: ModuleType) 
     engine.generate([list(range(1, 14))] * 2, max_new_tokens=6)
     assert engine.reset_prefix_cache()
     assert engine.take_events() == []
+
+
+# ---- replay on its own: vLLM's events of several blocks ------------------------------------------
+
+
+def test_a_stored_event_of_several_blocks_chains_each_to_the_one_before() -> None:
+    """vLLM stores a chain of blocks in one ``BlockStored``: ``block_hashes=[h1, h2, h3]``, one
+    ``parent_block_hash`` (the block before h1, None for a root) and the tokens of all three.
+    Replaying it chains h1 to that parent, h2 to h1 and h3 to h2, each with its own
+    ``block_size`` tokens: the same content as the blocks stored one event each (the shape
+    this engine emits), and not every block hung on the event's parent."""
+    tokens = list(range(100, 128))  # seven blocks of 4
+    block = [tuple(tokens[i : i + BS]) for i in range(0, len(tokens), BS)]
+    root = BlockStored([1, 2], None, tokens[: 2 * BS], BS)  # a root chain of two
+    chain = BlockStored([3, 4, 5], 2, tokens[2 * BS : 5 * BS], BS)
+    branch = BlockStored([6, 7], 3, tokens[5 * BS :], BS)  # a second child of block 3
+    expected = {
+        1: (None, block[0]),
+        2: (1, block[1]),
+        3: (2, block[2]),
+        4: (3, block[3]),
+        5: (4, block[4]),
+        6: (3, block[5]),
+        7: (6, block[6]),
+    }
+    assert replay([root, chain, branch]) == expected
+    one_each = [
+        BlockStored([h], parent, list(block[h - 1]), BS) for h, (parent, _) in expected.items()
+    ]
+    assert replay(one_each) == expected
