@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from common.config import ModelConfig
+from common.front.cli import plural
 from common.inputs import blocks_for_request
 
 from .costs import MATMUL_N, MIB, dense_kv_bytes, paged_kv_bytes
@@ -27,11 +28,6 @@ RERUN_HINT = {
 
 # A reference check slower than this gets a hint that --no-reference skips it.
 SLOW_REFERENCE_S = 10.0
-
-
-def plural(count: int, word: str) -> str:
-    """``plural(1, "thread")`` -> "1 thread", ``plural(2, "thread")`` -> "2 threads"."""
-    return f"{count} {word}" if count == 1 else f"{count} {word}s"
 
 
 def header(

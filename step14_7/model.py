@@ -11,7 +11,6 @@ and mask rows); steps 14_1 to 14_4 replace them one at a time, and 14_7 adds
 
 from __future__ import annotations
 
-import array
 import itertools
 import math
 from dataclasses import dataclass
@@ -71,10 +70,9 @@ class TinyTransformerPaged(CausalLM):
         The tokens of all sequences (prefill chunks and decode tokens alike) are concatenated
         into one ``[total_tokens, d_model]`` batch, so embedding, norms, projections and the MLP
         run once per layer for everyone, and one scatter writes every token's K/V. Only
-        attention needs to know where one sequence ends; it runs as at most two padded calls
-        per layer, one for the decode rows and one for the prefill chunks (``FlatBatch``).
-        Returns ``[num_seqs, vocab]``: only the last token of a chunk is ever sampled, so only
-        those rows go through the final norm and ``lm_head``.
+        attention needs to know where one sequence ends: it runs as one padded call per layer
+        (``FlatBatch``). Returns ``[num_seqs, vocab]``: only the last token of a chunk is ever
+        sampled, so only those rows go through the final norm and ``lm_head``.
         """
         for table, start, chunk in zip(block_tables, start_positions, chunks):
             self._check_block_table(table, start + len(chunk))
@@ -84,63 +82,36 @@ class TinyTransformerPaged(CausalLM):
         for layer_idx, layer in enumerate(self.model.layers):
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
             self._write_kv(layer_idx, k, v, batch.slot_mapping)  # one scatter for the whole batch
-            attn = self._batched_attention(layer_idx, q, batch.attention)
+            attn = self._padded_attention(layer_idx, q, batch)
             x = x + layer.self_attn.o_proj(attn.flatten(1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        if batch.last_rows is not None:  # None: every chunk is one token, every row is sampled
-            x = x[batch.last_rows]
-        return self.lm_head(self.model.norm(x))
+        return self.lm_head(self.model.norm(x[batch.last_rows]))
 
-    def _batched_attention(
-        self, layer_idx: int, q: torch.Tensor, groups: list[PaddedAttention]
-    ) -> torch.Tensor:
-        """Every sequence's attention, ``[total_tokens, H, d_head]``, one padded call per group.
+    def _padded_attention(self, layer_idx: int, q: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
+        """Every sequence's attention in one ``scaled_dot_product_attention`` call, on the
+        batch's ``[G, T]`` grid of query rows over ``[G, S]`` context keys; returns the flat
+        ``[total_tokens, H, d_head]``.
 
-        When one group holds the whole batch in order (a decode round, or a prefill round of
-        full chunks), its output already is the flat result: no scatter back.
+        The contexts are gathered through the padded slot matrix (one ``index_select``), and the
+        mask lets each query read its own sequence's keys up to its own position: the causal
+        mask of a prefill chunk, and for a decode row only the padding hidden. The ``group``
+        query heads of a K/V head are stacked as that head's query rows, so every K/V head is
+        read once, as in ``_attention``.
         """
-        if len(groups) == 1 and groups[0].rows is None:
-            return self._padded_attention(layer_idx, q, groups[0])
-        # One spare row at the end: padding queries read it (a zero query, harmless) and their
-        # outputs land in it, so one index serves both directions. It is dropped at the end.
-        q_spare = torch.cat([q, q.new_zeros(1, *q.shape[1:])])
-        attn = torch.empty_like(q_spare)
-        for group in groups:
-            attn[group.rows] = self._padded_attention(layer_idx, q_spare, group)
-        return attn[:-1]
-
-    def _padded_attention(
-        self, layer_idx: int, q: torch.Tensor, group: PaddedAttention
-    ) -> torch.Tensor:
-        """Attention of G sequences with up to T queries each, over contexts of up to S keys, in
-        one ``scaled_dot_product_attention`` call; returns ``[G*T, H, d_head]``.
-
-        The contexts are gathered through the padded ``[G, S]`` slot matrix (one
-        ``index_select`` for all of them), and the mask says which key each query may read:
-        its own sequence's keys up to its own position. That one comparison is the causal mask
-        of a prefill chunk, and for a decode row (T = 1, the newest token) it only hides the
-        padding. Grouped-query heads ride along for free: the ``group`` query heads of a K/V
-        head are stacked as that head's query rows ``[G, KV, group*T, d]``, so every K/V head
-        is read once, never copied per query head.
-        """
-        num_seqs, width = group.slots.shape
-        cfg, t = self.cfg, group.query_len
+        (g, t, s), cfg = batch.grid, self.cfg
         kv_heads, per_kv, d_head = cfg.num_kv_heads, cfg.num_queries_per_kv, cfg.d_head
-        keys, values = self._gather_kv(layer_idx, group.slots.flatten())
-        keys = keys.view(num_seqs, width, kv_heads, d_head).transpose(1, 2)  # [G, KV, S, d]
-        values = values.view(num_seqs, width, kv_heads, d_head).transpose(1, 2)
-        rows = q if group.rows is None else q[group.rows]  # [G*T, H, d]
-        # [G, T, KV, group, d] -> [G, KV, group, T, d]: a view when T = 1 (decode)
-        q_grouped = rows.view(num_seqs, t, kv_heads, per_kv, d_head).permute(0, 2, 3, 1, 4)
+        keys, values = self._gather_kv(layer_idx, batch.context_slots)
+        keys = keys.view(g, s, kv_heads, d_head).transpose(1, 2)  # [G, KV, S, d]
+        values = values.view(g, s, kv_heads, d_head).transpose(1, 2)
+        if batch.real_rows is not None:  # some chunks are shorter than T: pad their rows
+            q = q.new_zeros(g * t, *q.shape[1:]).index_put_((batch.real_rows,), q)
+        # [G, T, KV, group, d] -> [G, KV, group * T, d]
+        q = q.view(g, t, kv_heads, per_kv, d_head).permute(0, 2, 3, 1, 4).flatten(2, 3)
         out = torch.nn.functional.scaled_dot_product_attention(
-            q_grouped.reshape(num_seqs, kv_heads, per_kv * t, d_head),
-            keys,
-            values,
-            attn_mask=group.mask,
-            scale=1.0 / math.sqrt(d_head),
+            q, keys, values, attn_mask=batch.mask, scale=1.0 / math.sqrt(d_head)
         )
-        out = out.view(num_seqs, kv_heads, per_kv, t, d_head).permute(0, 3, 1, 2, 4)
-        return out.reshape(num_seqs * t, kv_heads * per_kv, d_head)
+        out = out.view(g, kv_heads, per_kv, t, d_head).permute(0, 3, 1, 2, 4).flatten(0, 1)
+        return out if batch.real_rows is None else out[batch.real_rows]  # [total_tokens, H, d]
 
     def _check_block_table(self, block_table: list[int], context_len: int) -> None:
         if len(block_table) * self.cfg.block_size < context_len:
@@ -226,36 +197,23 @@ class TinyTransformerPaged(CausalLM):
         return mask.masked_fill_(key_pos > query_pos, float("-inf"))
 
 
-# ---- the round's index tensors, built once per forward_batched call --------------------------
-
-
-@dataclass
-class PaddedAttention:
-    """G sequences whose queries attend in one padded call: each has up to T query rows and a
-    context of up to S keys. Built once per round, used by every layer."""
-
-    slots: torch.Tensor  # [G, S] physical slot of each context position (padding: slots of block 0)
-    mask: torch.Tensor  # [G, 1, group*T, S] True where a query row may read a key
-    query_len: int  # T
-    # [G*T] each padded query row's row in the flat batch, where its output goes too (padding
-    # rows: the spare row past the end); None when the group is the whole batch, in order.
-    rows: torch.Tensor | None
-
-
 @dataclass
 class FlatBatch:
-    """One round's tokens as a flat batch, and every index the layers need, made once.
+    """One round's chunks as one flat batch, and the indices every layer needs, built once.
 
-    The per-token lists (ids, positions, the write's slot mapping) are plain Python arithmetic
-    on the block tables, sent over as one tensor; each attention group needs one more. That
-    replaces a handful of small tensor operations per sequence per round.
+    Flat for everything but attention: one row per token, sequence after sequence. For
+    attention the ``G`` sequences sit on a padded ``[G, T]`` grid of query rows (``T``: the
+    longest chunk) over ``[G, S]`` context keys (``S``: the longest context).
     """
 
-    token_ids: torch.Tensor  # [N]
-    positions: torch.Tensor  # [N] absolute position of each token (for RoPE)
+    token_ids: torch.Tensor  # [N], N = every chunk's tokens, one sequence after another
+    positions: torch.Tensor  # [N] each token's absolute position (for RoPE)
     slot_mapping: torch.Tensor  # [N] the slot each token's K/V is written to
-    last_rows: torch.Tensor | None  # [num_seqs] each chunk's last row; None: all rows
-    attention: list[PaddedAttention]
+    last_rows: torch.Tensor  # [G] each chunk's last row: the one that is sampled
+    context_slots: torch.Tensor  # [G * S] each sequence's context slots, padded with slot 0
+    mask: torch.Tensor  # [G, 1, group * T, S] True where a query row may read a key
+    real_rows: torch.Tensor | None  # [G * T] grid rows that hold a token; None: every row
+    grid: tuple[int, int, int]  # G, T, S
 
     @classmethod
     def build(
@@ -266,80 +224,33 @@ class FlatBatch:
         cfg: ModelConfig,
         device: torch.device,
     ) -> FlatBatch:
-        bs = cfg.block_size
+        bs, g = cfg.block_size, len(chunks)
         lengths = [len(chunk) for chunk in chunks]
-        # Where each chunk's rows begin in the flat batch (vLLM: query_start_loc).
-        cu_seqlens = [0, *itertools.accumulate(lengths)]
-        ids, positions, slots = [], [], []
+        t, s = max(lengths), max(map(sum, zip(start_positions, lengths)))
+        num_blocks = -(-s // bs)
+        ids, positions, slots, tables = [], [], [], []
         for chunk, table, start in zip(chunks, block_tables, start_positions):
             span = range(start, start + len(chunk))
             ids += chunk
             positions += span
             slots += [table[p // bs] * bs + p % bs for p in span]
-        per_token = index_tensor(ids + positions + slots, device).view(3, -1)
-        token_ids, positions, slot_mapping = per_token  # three contiguous rows
-        last = [end - 1 for end in cu_seqlens[1:]]
-        # Decode rows and prefill chunks attend in separate calls: padded together, each
-        # one-token row would be padded to a whole chunk of queries.
-        decode = [i for i, n in enumerate(lengths) if n == 1]
-        prefill = [i for i, n in enumerate(lengths) if n > 1]
-        groups = [
-            _padded_attention_group(
-                members, lengths, cu_seqlens, block_tables, start_positions, cfg, device
-            )
-            for members in (decode, prefill)
-            if members
-        ]
-        last_rows = None if len(last) == cu_seqlens[-1] else index_tensor(last, device)
-        return cls(token_ids, positions, slot_mapping, last_rows, groups)
+            tables += table[:num_blocks] + [0] * (num_blocks - len(table[:num_blocks]))
 
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
 
-def _padded_attention_group(
-    members: list[int],
-    lengths: list[int],
-    cu_seqlens: list[int],
-    block_tables: list[list[int]],
-    start_positions: list[int],
-    cfg: ModelConfig,
-    device: torch.device,
-) -> PaddedAttention:
-    """The padded attention call of the sequences ``members`` (indices into the round)."""
-    bs, num_seqs = cfg.block_size, len(members)
-    t = max(lengths[i] for i in members)
-    width = max(start_positions[i] + lengths[i] for i in members)  # S: the longest context
-    num_blocks = -(-width // bs)
-    # The block tables, cut or padded (with block 0) to num_blocks, then each sequence's first
-    # position: one tensor, [G * num_blocks + G].
-    flat = []
-    for i in members:
-        table = block_tables[i][:num_blocks]
-        flat += table + [0] * (num_blocks - len(table))
-    data = index_tensor(flat + [start_positions[i] for i in members], device)
-    table, first_pos = data[: num_seqs * num_blocks].view(num_seqs, -1), data[-num_seqs:]
-    steps = torch.arange(max(bs, width, t), device=device)
-    slots = (table[:, :, None] * bs + steps[:bs]).view(num_seqs, -1)[:, :width].contiguous()
-    # Query row j of a sequence sits at position start + j and may read keys 0 .. start + j.
-    query_pos = first_pos[:, None] + steps[:t]  # [G, T]
-    mask = steps[:width] <= query_pos[:, :, None]  # [G, T, S]
-    per_kv = cfg.num_queries_per_kv
-    mask = mask[:, None, None].expand(-1, 1, per_kv, t, width).reshape(num_seqs, 1, -1, width)
-    rows = None
-    if num_seqs < len(lengths) or any(lengths[i] < t for i in members):
-        spare = cu_seqlens[-1]
-        rows = index_tensor(
-            [cu_seqlens[i] + j if j < lengths[i] else spare for i in members for j in range(t)],
-            device,
+        steps = torch.arange(max(bs, s, t), device=device)
+        table = tensor(tables).view(g, num_blocks)
+        context_slots = (table[:, :, None] * bs + steps[:bs]).view(g, -1)[:, :s].flatten()
+        # Query row j of a sequence sits at position start + j and may read keys 0 .. start + j.
+        query_pos = tensor(start_positions)[:, None] + steps[:t]  # [G, T]
+        mask = steps[:s] <= query_pos[:, :, None]  # [G, T, S]
+        per_kv = cfg.num_queries_per_kv
+        mask = mask[:, None, None].expand(-1, 1, per_kv, t, s).reshape(g, 1, -1, s)
+        real = steps[:t] < tensor(lengths)[:, None]  # [G, T]
+        real_rows = None if min(lengths) == t else real.flatten().nonzero().squeeze(1)
+        last_rows = tensor(list(itertools.accumulate(lengths))) - 1
+        token_ids, positions, slot_mapping = tensor(ids + positions + slots).view(3, -1)
+        return cls(
+            token_ids, positions, slot_mapping, last_rows, context_slots, mask, real_rows, (g, t, s)
         )
-    return PaddedAttention(slots, mask, t, rows)
-
-
-def index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
-    """A list of Python ints as an int64 tensor, cheaply.
-
-    ``torch.tensor(values)`` inspects every element from Python (a round's few hundred indices
-    took ~10x as long as a small tensor operation); ``array("q")`` packs them in C and
-    ``torch.frombuffer`` wraps those bytes without a copy (the tensor keeps the array alive).
-    """
-    if not values:
-        return torch.empty(0, dtype=torch.long, device=device)
-    return torch.frombuffer(array.array("q", values), dtype=torch.long).to(device)

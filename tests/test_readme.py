@@ -39,9 +39,10 @@ TEXT = {page: page.read_text() for page in PAGES}
 RESULTS = json.loads((DOCS / "results-cpu.json").read_text())
 
 MAX_README_LINES = 250
-# The order the top README keeps: what it is, quickstart, layout and steps, how to read a step,
-# the concept map to vLLM, results, links (words of its ## headings, in order).
-README_SECTIONS = ["Quickstart", "Layout", "steps", "How to read", "vLLM", "Results", "reading"]
+# The order the top README keeps: what it is, the steps (the syllabus) and how to read a step,
+# quickstart, layout, the concept map to vLLM, results, links (words of its ## headings).
+README_SECTIONS = ["steps", "How to read", "Quickstart", "Layout", "vLLM", "Results", "reading"]
+STEPS_TABLE_BY_LINE = 40  # a newcomer sees what the steps are before anything else
 CHECKPOINT_PLACEHOLDER = "~/models/SmolLM2-135M"
 OPTIONAL_PACKAGES = {"transformers", "safetensors", "tokenizers"}
 
@@ -240,6 +241,9 @@ def test_the_readme_is_short_and_in_order() -> None:
     sections = headings(TEXT[README], "##")
     positions = [next(i for i, h in enumerate(sections) if word in h) for word in README_SECTIONS]
     assert positions == sorted(positions), sections
+    lines = TEXT[README].splitlines()
+    last_row = max(i for i, line in enumerate(lines) if line.startswith("| [step14"))
+    assert last_row < STEPS_TABLE_BY_LINE, f"the steps table ends at line {last_row + 1}"
 
 
 def test_the_readme_links_every_guide_and_the_chapter() -> None:

@@ -111,41 +111,44 @@ def test_small_pool_check_fails_on_wrong_tokens_or_broken_ref_counts() -> None:
     back at rest; either failure makes it ❌ and fails the demo."""
     stats = EngineStats(preemptions=2)
     want = [[1, 2], [3, 4]]
-    assert demo.small_pool_check((want, ([], stats)), want, exact=True) == (
+    assert demo.small_pool_check(demo.Round(want, stats), want, exact=True) == (
         True,
         "Small pool: outputs identical to the reference (2 preemptions) ✅",
     )
-    ok, line = demo.small_pool_check(([[1, 2], [3, 5]], ([], stats)), want, exact=True)
+    ok, line = demo.small_pool_check(demo.Round([[1, 2], [3, 5]], stats), want, exact=True)
     assert not ok and line.endswith("❌")
     broken = ["block 3: ref_count 2, expected 1"]
-    ok, line = demo.small_pool_check((want, (broken, stats)), want, exact=True)
+    ok, line = demo.small_pool_check(demo.Round(want, stats, broken), want, exact=True)
     assert not ok and "ref counts broken: block 3" in line and line.endswith("❌")
 
 
-def demo_rounds(**broken: object) -> dict[str, tuple[object, object]]:
+def demo_rounds(**broken: object) -> demo.DemoRounds:
     """What ``run_rounds`` hands ``print_checks`` when every round went right, with the rounds
     named in ``broken`` replaced."""
     good, stats = [[1, 2], [3, 4]], EngineStats(blocks_free=512, preemptions=1)
     rounds = {
-        "cold": (good, stats),
-        "hot": (good, stats),
-        "off": (good, stats),
-        "at_rest": ([], stats),
-        "batched": (good, stats),
-        "small_pool": (good, ([], stats)),
-        "reference": (good, None),
+        "cold": demo.Round(good, stats),
+        "hot": demo.Round(good, stats),
+        "off": demo.Round(good, stats),
+        "batched": demo.Round(good, stats),
+        "small_pool": demo.Round(good, stats),
+        "reference": good,
     }
-    return {**rounds, **broken}
+    return demo.DemoRounds(**{**rounds, **broken})
 
 
 BROKEN_ROUNDS = {
-    "hot-tokens": {"hot": ([[1, 2], [3, 5]], None)},
-    "ref-counts-at-rest": {"at_rest": (["block 7: ref_count 2, expected 1"], EngineStats())},
-    "batched-tokens": {"batched": ([[1, 2], [9, 4]], None)},
-    "reference-tokens": {"reference": ([[1, 2], [3, 3]], None)},
-    "small-pool-tokens": {"small_pool": ([[1, 2], [4, 3]], ([], EngineStats(preemptions=1)))},
+    "hot-tokens": {"hot": demo.Round([[1, 2], [3, 5]], EngineStats())},
+    "ref-counts-at-rest": {
+        "hot": demo.Round([[1, 2], [3, 4]], EngineStats(), ["block 7: ref_count 2, expected 1"])
+    },
+    "batched-tokens": {"batched": demo.Round([[1, 2], [9, 4]], EngineStats())},
+    "reference-tokens": {"reference": [[1, 2], [3, 3]]},
+    "small-pool-tokens": {"small_pool": demo.Round([[1, 2], [4, 3]], EngineStats(preemptions=1))},
     "small-pool-ref-counts": {
-        "small_pool": ([[1, 2], [3, 4]], (["block 2: ref_count 1, expected 0"], EngineStats()))
+        "small_pool": demo.Round(
+            [[1, 2], [3, 4]], EngineStats(), ["block 2: ref_count 1, expected 0"]
+        )
     },
 }
 

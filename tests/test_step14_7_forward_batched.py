@@ -111,7 +111,7 @@ def test_model_calls_per_round(make_engine: EngineFactory, step: ModuleType) -> 
     assert scheduled == engine.stats.seqs_scheduled and len(log) == engine.stats.rounds
 
 
-# ---- every shape of round, and the index tensors ---------------------------------------------
+# ---- every shape of round ------------------------------------------------------------------
 
 
 ROUNDS = {
@@ -154,13 +154,3 @@ def test_every_round_shape_matches_per_sequence_forward(
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
     torch.testing.assert_close(batched.kv_pool_k, serial.kv_pool_k, rtol=0, atol=1e-12)
     torch.testing.assert_close(batched.kv_pool_v, serial.kv_pool_v, rtol=0, atol=1e-12)
-
-
-def test_index_tensor_round_trips_python_ints(step: ModuleType) -> None:
-    """The round's indices go to torch as one int64 buffer, whatever the Python ints."""
-    requires_fix(step, "step14_7")
-    index_tensor = step.model.index_tensor
-    values = [0, 5, 2**40, 7]
-    got = index_tensor(values, torch.device("cpu"))
-    assert got.dtype == torch.long and got.tolist() == values
-    assert index_tensor([], torch.device("cpu")).shape == (0,)

@@ -89,9 +89,11 @@ def test_the_tight_scenario_moves_blocks_every_way() -> None:
 
 
 @pytest.mark.parametrize("total_blocks", [64, 9])
-def test_the_trace_tells_what_the_engine_did(total_blocks: int) -> None:
-    rounds, stats = first_step_trace(total_blocks)
+def test_the_trace_tells_what_the_engine_did(step: ModuleType, total_blocks: int) -> None:
+    """What the engine tells its observer adds up to what its counters say, in every step."""
+    rounds, stats = traced(step, total_blocks)
     work = [w for r in rounds for w in r.work]
+    assert all(w.preempted_for is not None for w in work if w.ended == "preempted")
     assert sum(w.end - w.start for w in work if w.kind == "prefill") == (
         stats.computed_prefill_tokens
     )
@@ -330,3 +332,23 @@ def test_step14_readme_trace_excerpts_are_real_output() -> None:
         trace = format_trace(demo.traced_round(step, cfg, args)).splitlines()
         lines = [line for line in excerpt.splitlines() if line != "..."]
         assert [line for line in lines if line not in trace] == [], which
+
+
+def test_a_request_short_of_its_first_decode_block_is_short_of_a_token(step: ModuleType) -> None:
+    """A request whose last prefill chunk ran in the round before needs a block for its first
+    decode token: the trace says "its next token", not "its next chunk". Pool of 3 blocks of 4:
+    A (5 tokens) and B (4 tokens) prefill in round 1; in round 2 A's last chunk takes the last
+    free block, and B, the youngest, finds none for its token and preempts itself."""
+    cfg = tiny_config(block_size=BS, total_blocks=3)
+    engine = step.PagedPrefixCacheEngine(step.TinyTransformerPaged(cfg), max_running=2)
+    guard_against_hangs(engine)
+    tracer = RoundTracer(engine)
+    engine.add_request([1, 2, 3, 4, 5], 3)
+    b = engine.add_request([6, 7, 8, 9], 4)
+    engine.step()
+    engine.step()
+    (short,) = [w for w in tracer.rounds[1].work if w.seq_id == b]
+    assert (short.short, short.ended, short.preempted_for) == ("its next token", "preempted", b)
+    assert "no block for its next token" in format_trace(tracer.rounds[1:2])
+    while engine.has_work:
+        engine.step()

@@ -102,3 +102,8 @@ def writable_folder(text: str) -> str:
             f"{text}: cannot write in {existing} ({exc.strerror or exc}); choose another folder"
         ) from None
     return text
+
+
+def plural(count: int, word: str) -> str:
+    """``plural(1, "token")`` -> "1 token", ``plural(2, "token")`` -> "2 tokens"."""
+    return f"{count} {word}{'' if count == 1 else 's'}"

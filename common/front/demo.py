@@ -23,18 +23,28 @@ import os
 import textwrap
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import Protocol
 
 import torch
 
 from ..config import DTYPES, PRESETS, ModelConfig, preset
 from ..inputs import blocks_for_request
 from ..reference import ReferenceModel, reference_generate
-from .cli import HelpFormatter, device_name, dtype_name, non_negative_int, positive_int, seed_int
+from ..stats import EngineStats
+from .cli import (
+    HelpFormatter,
+    device_name,
+    dtype_name,
+    non_negative_int,
+    plural,
+    positive_int,
+    seed_int,
+)
 from .steps import load_step
 from .text import add_model_args, run_text
-from .trace import RoundTracer, format_trace, trace_header
+from .trace import RoundTrace, RoundTracer, format_trace, trace_header
 from .workload import demo_prompts
 
 DESCRIPTION = """\
@@ -191,12 +201,34 @@ def token_check(
     return True, f"{text}: {same}/{len(want)} requests {WARNING}"
 
 
+class Engine(Protocol):
+    """What the demo uses of a step's ``PagedPrefixCacheEngine`` (every step has all of it)."""
+
+    model: torch.nn.Module
+
+    @property
+    def stats(self) -> EngineStats: ...
+
+    def reset_stats(self) -> None: ...
+
+    def ref_count_problems(self) -> list[str]: ...
+
+
+@dataclass
+class Round:
+    """One round of the demo: its outputs, the engine's figures after it, and what was wrong
+    with the pool at rest after it (``ref_count_problems``), where that was checked."""
+
+    outputs: list[list[int]]
+    stats: EngineStats
+    problems: list[str] = field(default_factory=list)
+
+
 def timed_round(
-    label: str, engine: Any, run: Generate, prompts: list[list[int]], n: int
-) -> tuple[list[list[int]], Any]:
+    label: str, engine: Engine, run: Generate, prompts: list[list[int]], n: int
+) -> Round:
     """Serve ``prompts`` once through ``run`` (a method of ``engine``, any step's
-    ``PagedPrefixCacheEngine``) and print one line: time, hits, computed tokens. Returns the
-    outputs and the engine's ``EngineStats``."""
+    ``PagedPrefixCacheEngine``) and print one line: time, hits, computed tokens."""
     engine.reset_stats()
     start = time.perf_counter()
     outputs = run(prompts, n)
@@ -210,10 +242,10 @@ def timed_round(
         f"{label:<30} {ms:8.1f} ms   hit rate {hits:<13} tokens {tokens:<14} computed "
         f"{s.computed_prefill_tokens} prefill + {s.computed_decode_tokens} decode tokens"
     )
-    return outputs, s
+    return Round(outputs, s)
 
 
-def what_the_numbers_mean(cold: Any, hot: Any, off: Any) -> str:
+def what_the_numbers_mean(cold: EngineStats, hot: EngineStats, off: EngineStats) -> str:
     """Why a hot round is barely faster than a cold one here: the cache saves prefill only, and
     in this small demo most model calls are decode steps, the same in every round."""
     text = (
@@ -231,7 +263,7 @@ def what_the_numbers_mean(cold: Any, hot: Any, off: Any) -> str:
     return textwrap.fill(text, width=100)
 
 
-def what_preemption_cost(roomy: Any, small: Any) -> str:
+def what_preemption_cost(roomy: EngineStats, small: EngineStats) -> str:
     """What the small pool's preemptions cost in model work, against the same batched round
     with room to spare: recompute is cheap when the cache gives the full blocks back."""
     extra = small.computed_tokens - roomy.computed_tokens
@@ -277,8 +309,8 @@ def main(step_name: str, argv: list[str] | None = None) -> int:
     print(banner(step_name, cfg, len(prompts), args.max_new_tokens))
     rounds = run_rounds(step, cfg, prompts, args)
     print()
-    print(what_the_numbers_mean(rounds["cold"][1], rounds["hot"][1], rounds["off"][1]))
-    print(what_preemption_cost(rounds["batched"][1], rounds["small_pool"][1][1]))
+    print(what_the_numbers_mean(rounds.cold.stats, rounds.hot.stats, rounds.off.stats))
+    print(what_preemption_cost(rounds.batched.stats, rounds.small_pool.stats))
     status = print_checks(cfg, rounds)
     if tracing:
         show_trace(step_name, TRACE_ROUNDS[args.trace_round], traced_round(step, cfg, args), args)
@@ -299,18 +331,27 @@ def banner(step_name: str, cfg: ModelConfig, num_prompts: int, n_new: int) -> st
     dtype, threads = str(cfg.dtype).removeprefix("torch."), torch.get_num_threads()
     return (
         f"{step_name}: {num_prompts} requests sharing a {3 * cfg.block_size}-token prefix, "
-        f"{n_new} new token{'s' if n_new > 1 else ''} each ({cfg.device}, {dtype}, "
+        f"{plural(n_new, 'new token')} each ({cfg.device}, {dtype}, "
         f"block_size={cfg.block_size}, {cfg.total_blocks} blocks; torch {torch.__version__}, "
-        f"{threads} thread{'s' if threads > 1 else ''})\n"
+        f"{plural(threads, 'thread')})\n"
     )
 
 
-Round = tuple[list[list[int]], Any]  # the outputs and the engine's EngineStats
+@dataclass
+class DemoRounds:
+    """The demo's rounds, in the order they run; ``hot.problems`` is the check at rest."""
+
+    cold: Round
+    hot: Round
+    off: Round
+    batched: Round
+    small_pool: Round
+    reference: list[list[int]]  # the dense reference model's tokens
 
 
 def run_rounds(
     step: ModuleType, cfg: ModelConfig, prompts: list[list[int]], args: argparse.Namespace
-) -> dict[str, Round]:
+) -> DemoRounds:
     """The chapter's rounds, each printed as it ends: cold, hot, cache off, batched; then the
     dense reference on the same prompts. The ref-count check is taken at rest after hot."""
     n_new, engine_cls = args.max_new_tokens, step.PagedPrefixCacheEngine
@@ -318,25 +359,19 @@ def run_rounds(
         model = step.TinyTransformerPaged(cfg)
         warm_up(step, model, prompts[0][-cfg.block_size :])
         engine = engine_cls(model, max_running=args.max_running)
-        rounds = {
-            "cold": timed_round(
-                "Round 1 (cold cache), serial", engine, engine.generate_serial, prompts, n_new
-            ),
-            "hot": timed_round(
-                "Round 2 (hot cache), serial", engine, engine.generate_serial, prompts, n_new
-            ),
-        }
-        rounds["at_rest"] = (engine.ref_count_problems(), engine.stats)
-        off = engine_cls(model, enable_prefix_cache=False)
-        rounds["off"] = timed_round(
-            "Round 3 (cache off), serial", off, off.generate_serial, prompts, n_new
-        )
+        serial = engine.generate_serial
+        cold = timed_round("Round 1 (cold cache), serial", engine, serial, prompts, n_new)
+        hot = timed_round("Round 2 (hot cache), serial", engine, serial, prompts, n_new)
+        hot.problems = engine.ref_count_problems()
+        off_engine = engine_cls(model, enable_prefix_cache=False)
+        off_run = off_engine.generate_serial
+        off = timed_round("Round 3 (cache off), serial", off_engine, off_run, prompts, n_new)
         batched = engine_cls(model, max_running=args.max_running)
         label = f"Batched (max_running={args.max_running}), cold"
-        rounds["batched"] = timed_round(label, batched, batched.generate, prompts, n_new)
-        rounds["small_pool"] = small_pool_round(step, model, prompts, args)
-        rounds["reference"] = (reference_generate(ReferenceModel(cfg), prompts, n_new), None)
-    return rounds
+        batched_round = timed_round(label, batched, batched.generate, prompts, n_new)
+        small_pool = small_pool_round(step, model, prompts, args)
+        reference = reference_generate(ReferenceModel(cfg), prompts, n_new)
+    return DemoRounds(cold, hot, off, batched_round, small_pool, reference)
 
 
 def small_pool_blocks(block_size: int, max_new_tokens: int) -> int:
@@ -356,31 +391,32 @@ def small_pool_round(
     small.load_state_dict(model.state_dict())  # the same weights, a smaller KV pool
     engine = step.PagedPrefixCacheEngine(small, max_running=args.max_running)
     label = f"Batched, {cfg.total_blocks}-block pool"
-    outputs, s = timed_round(label, engine, engine.generate, prompts, args.max_new_tokens)
+    small = timed_round(label, engine, engine.generate, prompts, args.max_new_tokens)
+    s = small.stats
     print(
-        f"{'':<30}   {s.preemptions} preemption{'' if s.preemptions == 1 else 's'}, "
+        f"{'':<30}   {plural(s.preemptions, 'preemption')}, "
         f"{s.resumed_cached_tokens} tokens back from the cache on resume, "
         f"{s.seqs_per_round:.1f} requests per round"
     )
-    return outputs, (engine.ref_count_problems(), s)
+    small.problems = engine.ref_count_problems()
+    return small
 
 
 def small_pool_check(small: Round, reference: list[list[int]], exact: bool) -> tuple[bool, str]:
     """Preemption loses nothing: the same tokens, and every block back at rest."""
-    outputs, (problems, s) = small
-    n = f"{s.preemptions} preemption{'' if s.preemptions == 1 else 's'}"
+    n = plural(small.stats.preemptions, "preemption")
     ok, line = token_check(
-        f"Small pool: outputs identical to the reference ({n})", outputs, reference, exact
+        f"Small pool: outputs identical to the reference ({n})", small.outputs, reference, exact
     )
-    if problems:
-        return False, f"{line}; ref counts broken: {problems[0]} {mark(False)}"
+    if small.problems:
+        return False, f"{line}; ref counts broken: {small.problems[0]} {mark(False)}"
     return ok, line
 
 
-def print_checks(cfg: ModelConfig, rounds: dict[str, Round]) -> int:
+def print_checks(cfg: ModelConfig, rounds: DemoRounds) -> int:
     """The demo's promises, one line each; returns the exit status (1 if any ❌)."""
-    cold, hot, off = rounds["cold"][0], rounds["hot"][0], rounds["off"][0]
-    problems, s = rounds["at_rest"]
+    cold, hot, off = rounds.cold.outputs, rounds.hot.outputs, rounds.off.outputs
+    problems, s = rounds.hot.problems, rounds.hot.stats
     exact = cfg.dtype in EXACT_DTYPES
     checks = [
         token_check(
@@ -395,12 +431,12 @@ def print_checks(cfg: ModelConfig, rounds: dict[str, Round]) -> int:
             f"{s.blocks_cached} = total {cfg.total_blocks}) {mark(not problems)}",
         ),
         token_check(
-            "Batched outputs identical to the serial ones", rounds["batched"][0], cold, exact
+            "Batched outputs identical to the serial ones", rounds.batched.outputs, cold, exact
         ),
         token_check(
-            "Outputs identical to the dense reference model", cold, rounds["reference"][0], exact
+            "Outputs identical to the dense reference model", cold, rounds.reference, exact
         ),
-        small_pool_check(rounds["small_pool"], rounds["reference"][0], exact),
+        small_pool_check(rounds.small_pool, rounds.reference, exact),
     ]
     print()
     for _, line in checks:
@@ -415,7 +451,7 @@ def print_checks(cfg: ModelConfig, rounds: dict[str, Round]) -> int:
 # ---- --trace and --trace-png ------------------------------------------------------------------
 
 
-def traced_round(step: ModuleType, cfg: ModelConfig, args: argparse.Namespace) -> list[Any]:
+def traced_round(step: ModuleType, cfg: ModelConfig, args: argparse.Namespace) -> list[RoundTrace]:
     """The round ``--trace-round`` names, run once more through a traced engine (after the timed
     rounds, so that tracing costs them nothing): its ``RoundTrace`` records."""
     if args.trace_round == "small-pool":
@@ -430,7 +466,9 @@ def traced_round(step: ModuleType, cfg: ModelConfig, args: argparse.Namespace) -
     return tracer.rounds
 
 
-def show_trace(step_name: str, what: str, rounds: list[Any], args: argparse.Namespace) -> None:
+def show_trace(
+    step_name: str, what: str, rounds: list[RoundTrace], args: argparse.Namespace
+) -> None:
     """``--trace``: the rounds as text; ``--trace-png``: the picture."""
     if args.trace:
         print()

@@ -36,6 +36,7 @@ from ..config import ModelConfig
 from ..errors import CheckpointError, MissingPackageError, RequestError, report_user_errors
 from ..inputs import as_eos_ids, blocks_for_request, check_request, is_int
 from .chat import ChatTemplate, load_chat_template, messages_for
+from .cli import plural
 from .steps import load_step
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -182,7 +183,7 @@ def prepare_requests(
         if eos_token_id is None
         else sorted(as_eos_ids(eos_token_id, cfg.vocab_size))
     )
-    check_requests(prompts, prompt_ids, max_new_tokens, eos, cfg)
+    check_text_requests(prompts, prompt_ids, max_new_tokens, eos, cfg)
     check_stored_shapes(folder, cfg)  # the weight files' headers only: milliseconds
     source = template.source if template is not None else None
     return TextRequests(tokenizer, prompt_ids, eos, shared, source)
@@ -200,7 +201,7 @@ def chat_system_tokens(
     return common_prefix_len([system_ids, *prompt_ids])
 
 
-def check_requests(
+def check_text_requests(
     prompts: list[str],
     prompt_ids: list[list[int]],
     max_new_tokens: int,
@@ -372,11 +373,6 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         help="with --model: plain completion even when the checkpoint has a chat template "
         "(by default --system and each --prompt become chat messages in its markup)",
     )
-
-
-def plural(count: int, word: str) -> str:
-    """``plural(1, "token")`` -> "1 token", ``plural(2, "token")`` -> "2 tokens"."""
-    return f"{count} {word}" if count == 1 else f"{count} {word}s"
 
 
 def kv_bytes_per_block(cfg: ModelConfig, kv_heads: int | None = None) -> int:

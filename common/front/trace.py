@@ -21,7 +21,7 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ..observer import RoundObserver
 
@@ -142,12 +142,22 @@ class RoundTrace:
         return not self.between and bool(self.work) and all(w.still for w in self.work)
 
 
+class WatchedEngine(Protocol):
+    """What the trace reads of a step's engine: the KV cache manager (the block pool and the
+    prefix cache), the scheduler's queues (who holds which block), and the observer hook."""
+
+    kv_cache_manager: Any
+    scheduler: Any
+
+    def set_observer(self, observer: RoundObserver | None) -> None: ...
+
+
 class RoundTracer(RoundObserver):
     """Records every round of one engine; ``rounds`` holds them. An observer of the engine
     (``engine.set_observer``): it is told each event as it happens and reads the pool then;
     ``detach()`` stops it."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: WatchedEngine) -> None:
         self.engine = engine
         self.rounds: list[RoundTrace] = []
         self._kvm = engine.kv_cache_manager
