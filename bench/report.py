@@ -14,6 +14,7 @@ import torch
 from common.config import ModelConfig
 from common.front.cli import plural
 from common.inputs import blocks_for_request
+from common.memory import gib
 
 from .costs import MATMUL_N, MIB, dense_kv_bytes, paged_kv_bytes
 from .harness import RunResult, Workload
@@ -39,7 +40,8 @@ def header(
     return (
         f"{workload.describe()}\nmodel {model}: d_model={cfg.d_model}, "
         f"{cfg.num_layers} layers, {cfg.num_heads} heads, vocab {cfg.vocab_size}, "
-        f"block_size={cfg.block_size}, {cfg.total_blocks} blocks, {cfg.device}, "
+        f"block_size={cfg.block_size}, {cfg.total_blocks} blocks "
+        f"({gib(paged_kv_bytes(cfg, cfg.total_blocks))} of KV), {cfg.device}, "
         f"{dtype_name(cfg)}; torch {torch.__version__}, {threads}\n"
         f"this machine: {machine_gflops:.1f} GFLOP/s on a {MATMUL_N}x{MATMUL_N} float32 matmul "
         "at that thread count: what arithmetic alone could reach\n"

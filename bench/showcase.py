@@ -15,8 +15,10 @@ from common.config import DTYPES, PRESETS, ModelConfig
 from common.errors import report_user_errors
 from common.front.cli import (
     HelpFormatter,
+    add_memory_check_flag,
     device_name,
     dtype_name,
+    dtype_value,
     non_negative_int,
     positive_int,
     writable_folder,
@@ -24,6 +26,7 @@ from common.front.cli import (
 from common.front.steps import FIXES, available_steps
 from common.front.text import model_dir_arg
 from common.front.workload import PRESSURE_EOS_AT
+from common.memory import check_memory
 from common.reference import ReferenceModel, reference_generate
 
 from . import report
@@ -266,7 +269,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="torch CPU threads (0: torch's default, one per core); one keeps a busy machine's "
         "timings steady (README, Benchmarks)",
     )
-    p.add_argument("--dtype", type=dtype_name, default="float32", help=", ".join(DTYPES))
+    p.add_argument(
+        "--dtype",
+        type=dtype_name,
+        default="float32",
+        help=", ".join(DTYPES) + ", or auto (with --model DIR: the dtype it is stored in)",
+    )
     p.add_argument(
         "--steps",
         type=step_list,
@@ -288,6 +296,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="DIR",
         help="folder for results.json and speedups.png (checked before any work)",
     )
+    add_memory_check_flag(p)
     p.add_argument(
         "--quiet",
         action="store_true",
@@ -298,6 +307,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, value in vars(args).items():
         if is_default(value):
             setattr(args, name, value.values[args.workload])
+    if args.dtype == "auto" and args.model in PRESETS:
+        p.error("--dtype auto needs --model DIR: it means the dtype the checkpoint is stored in")
     if args.workload == SCALE:
         for name in ("sweep_requests", "sweep_cached"):
             if isinstance(getattr(args, name), str):  # the default, still text
@@ -356,18 +367,43 @@ def workload_of(args: argparse.Namespace) -> Workload:
     )
 
 
+def model_changes(args: argparse.Namespace) -> dict[str, object]:
+    """What the flags change in the model's config (``--dtype auto``: a checkpoint's own)."""
+    return {"block_size": args.block_size, "device": args.device, "dtype": dtype_value(args.dtype)}
+
+
 def load_model(
     args: argparse.Namespace, workload: Workload
 ) -> tuple[ModelConfig, Mapping[str, torch.Tensor] | None]:
     """``(cfg, weights)``: a preset with seeded weights (``weights`` None), or a checkpoint
     directory read once (every step's model and the HF row then share its tensors)."""
-    changes = {"block_size": args.block_size, "device": args.device, "dtype": DTYPES[args.dtype]}
+    changes = model_changes(args)
     if args.model in PRESETS:
         return bench_config(workload, args.model, **changes), None
     from common.checkpoint import load_checkpoint  # needs safetensors: pip install -e '.[real]'
 
     total_blocks = workload.pool_blocks(args.block_size)
     return load_checkpoint(args.model, total_blocks=total_blocks, **changes)
+
+
+# A prompt token, as a Python int in a list: the list's 8-byte slot and a 28-byte int object.
+PROMPT_BYTES_PER_TOKEN = 36
+
+
+def check_workload_memory(args: argparse.Namespace, workload: Workload) -> None:
+    """The weights, one KV pool and the prompts against the memory the machine has, before
+    the prompts are drawn or a weight is read: a size it cannot hold is one ``error:`` line."""
+    changes = model_changes(args)
+    if args.model in PRESETS:
+        cfg = bench_config(workload, args.model, **changes)
+    else:
+        from common.checkpoint import checkpoint_config
+
+        cfg = checkpoint_config(
+            args.model, total_blocks=workload.pool_blocks(args.block_size), **changes
+        )
+    prompts = PROMPT_BYTES_PER_TOKEN * sum(workload.prompt_lengths())
+    check_memory(cfg, weights=True, extra={"the prompts": prompts})
 
 
 def checkpoint_positions(args: argparse.Namespace) -> int | None:
@@ -449,6 +485,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.workload == SCALE:
         return run_scale_bench(args, progress)
     workload = workload_of(args)
+    check_workload_memory(args, workload)
     with progress.task(f"loading {args.model}"):
         cfg, weights = load_model(args, workload)
     prompts = workload.prompts(cfg.vocab_size)

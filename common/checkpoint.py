@@ -181,6 +181,9 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     fields["rope_theta"], fields["rope_scaling"] = _rope_fields(hf)
     fields["rms_norm_eps"] = float(hf.get("rms_norm_eps", 1e-6))
     fields["seed"] = None
+    # The positions the model was trained on: a longer request is refused (max_model_len=
+    # raises it, at the user's risk, as vLLM's --max-model-len does).
+    fields["max_model_len"] = hf.get("max_position_embeddings")
     try:
         cfg = ModelConfig(**fields)
     except ValueError as exc:
@@ -286,7 +289,7 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
         try:
             tensors = load_file(str(file))
         except Exception as exc:  # safetensors' own error type: a truncated or foreign file
-            raise CheckpointError(f"{file} cannot be read as safetensors: {exc}") from None
+            raise CheckpointError(unreadable(file, exc)) from None
         for name, tensor in tensors.items():
             if name in weights:
                 raise CheckpointError(f"tensor {name} is stored twice ({file.name} and another)")
@@ -308,8 +311,16 @@ def stored_shapes(folder: Path) -> dict[str, torch.Tensor]:
                     shape = f.get_slice(name).get_shape()
                     shapes[name] = torch.empty(shape, device="meta")
         except Exception as exc:  # safetensors' own error type: a truncated or foreign file
-            raise CheckpointError(f"{file} cannot be read as safetensors: {exc}") from None
+            raise CheckpointError(unreadable(file, exc)) from None
     return shapes
+
+
+def unreadable(file: Path, exc: Exception) -> str:
+    """Why a weight file cannot be read, and what to do: most often a download cut short."""
+    return (
+        f"{file} cannot be read as safetensors ({exc}): the file is damaged or incomplete, "
+        "often a download cut short; fetch it again"
+    )
 
 
 def check_stored_shapes(path: str | Path, cfg: ModelConfig) -> None:

@@ -70,6 +70,8 @@ class ModelConfig:
     multi-head attention; ``head_dim`` defaults to ``d_model // num_heads``. Both are resolved
     when the config is built, and re-derived by ``replace`` unless they were given explicitly.
     ``seed=None`` builds a model without weights, for a loader to fill (``from_pretrained``).
+    ``max_model_len`` is the longest a request may be, prompt + max_new_tokens (vLLM's name): a
+    checkpoint's ``max_position_embeddings``, the positions it was trained on; None, no limit.
     """
 
     vocab_size: int = 1024
@@ -88,6 +90,7 @@ class ModelConfig:
     dtype: torch.dtype | str = torch.float32  # a name ("bfloat16") becomes the torch dtype
     device: str = "cpu"
     seed: int | None = 0
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         # Which of _DERIVED were left to their default, so that replace() derives them again.
@@ -114,6 +117,8 @@ class ModelConfig:
             "block_size",
             "total_blocks",
         )
+        if self.max_model_len is not None:
+            positive += ("max_model_len",)
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")

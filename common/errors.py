@@ -30,6 +30,11 @@ class RequestError(UserError, ValueError):
     """A request that cannot be served: empty once tokenized, or larger than the KV pool."""
 
 
+class ResourceError(UserError, MemoryError):
+    """Work this machine cannot hold (a KV pool, weights or prompts larger than the memory it
+    has): refused before anything is allocated, with the figures and what to lower."""
+
+
 class MissingPackageError(UserError, ImportError):
     """An optional package that this feature needs is not installed; the message says which
     extra to install."""
@@ -43,12 +48,18 @@ def one_line(error: BaseException) -> str:
     return text.replace(":;", ":")
 
 
+INTERRUPTED = 130  # the shell's status for a program ended by Ctrl-C (128 + SIGINT)
+
+
 def report_user_errors(prog: str, body: Callable[[], int]) -> int:
     """Run ``body`` and return its exit status; a ``UserError`` becomes one line on stderr,
-    ``<prog>: error: <message>`` (argparse's form), and status 1. Other exceptions propagate
-    with their traceback."""
+    ``<prog>: error: <message>`` (argparse's form), and status 1; Ctrl-C becomes
+    ``<prog>: interrupted`` and status 130. Other exceptions propagate with their traceback."""
     try:
         return body()
     except UserError as exc:
         print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"\n{prog}: interrupted", file=sys.stderr)
+        return INTERRUPTED

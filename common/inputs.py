@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import ModelConfig
+from .errors import RequestError
 
 
 def cdiv(a: int, b: int) -> int:
@@ -50,6 +51,7 @@ def check_request(
     if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     eos = as_eos_ids(eos_token_id, vocab)
+    check_context_length(len(prompt), int(max_new_tokens), cfg)
     need = blocks_for_request(len(prompt), int(max_new_tokens), cfg.block_size)
     if need > cfg.total_blocks:
         raise ValueError(
@@ -58,6 +60,20 @@ def check_request(
             f"{cfg.total_blocks}: it could never run"
         )
     return Request(prompt, int(max_new_tokens), eos)
+
+
+def check_context_length(prompt_len: int, max_new_tokens: int, cfg: ModelConfig) -> None:
+    """A request must fit in the positions the model knows: prompt + max_new_tokens at most
+    ``cfg.max_model_len`` (vLLM's rule; a checkpoint's ``max_position_embeddings``). Past it a
+    model computes, but at positions it was never trained on."""
+    limit = cfg.max_model_len
+    if limit is not None and prompt_len + max_new_tokens > limit:
+        raise RequestError(
+            f"a prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} = "
+            f"{prompt_len + max_new_tokens} is past the model's context length of {limit} "
+            f"tokens (max_position_embeddings): shorten the prompt, lower max_new_tokens "
+            f"(--max-new-tokens), or raise max_model_len (--max-model-len) at your own risk"
+        )
 
 
 def check_requests(

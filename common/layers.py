@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import Llama3RopeScaling, ModelConfig
+from .memory import check_memory
 from .weights import check_weights, make_state_dict
 
 
@@ -204,8 +205,10 @@ class CausalLM(nn.Module):
         ``total_blocks``, ``dtype``, ``device``); fields the engine cannot honour (biases,
         sliding windows, other RoPE scalings) are refused by name. See ``common.checkpoint``.
         """
-        from .checkpoint import load_checkpoint  # needs safetensors, an optional dependency
+        from .checkpoint import checkpoint_config, load_checkpoint  # needs safetensors
 
+        # The weights and the KV pool against the memory there is, before reading any weight.
+        check_memory(checkpoint_config(path, **overrides), weights=True)
         cfg, weights = load_checkpoint(path, **overrides)
         model = cls(cfg)  # cfg.seed is None: shapes only, no random weights drawn
         model.load_weights(weights)

@@ -17,10 +17,12 @@ import torch
 
 from common.config import ModelConfig
 from common.layers import CausalLM, compute_dtype, rope_cos_sin
+from common.memory import check_memory
 
 
 class TinyTransformerPaged(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
+        check_memory(cfg)  # the weights and the KV pool, before allocating either
         super().__init__(cfg)
         # [num_layers, total_blocks, block_size, num_kv_heads, d_head]: a block is a page frame
         # of block_size token slots; each slot holds every K/V head's vector. num_kv_heads =

@@ -339,10 +339,16 @@ CASES: list[tuple[str, str, list[str], list[str]]] = [
         ["prompt 1", "KV blocks", "--total-blocks"],
     ),
     (
-        "run-new-tokens-beyond-pool",
+        "run-new-tokens-beyond-context",
         RUN,
         ["--model", "{sound}", "--max-new-tokens", "100000"],
-        ["100000 new tokens", "--max-new-tokens"],
+        ["past the model's context length", "--max-new-tokens", "--max-model-len"],
+    ),
+    (
+        "run-new-tokens-beyond-pool",
+        RUN,
+        ["--model", "{sound}", "--max-new-tokens", "150", "--total-blocks", "4"],
+        ["150 new tokens", "--max-new-tokens", "--total-blocks"],
     ),
     (
         "run-empty-prompt-no-bos",

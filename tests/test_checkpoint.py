@@ -52,7 +52,7 @@ from bench import showcase
 from common.checkpoint import config_from_hf, eos_token_ids, load_checkpoint
 from common.config import ModelConfig, preset
 from common.errors import CheckpointError
-from common.front.hf import hf_llama
+from common.front.hf import default_max_positions, hf_llama
 from common.front.text import (
     add_model_args,
     encode_prompts,
@@ -153,7 +153,9 @@ def test_from_pretrained_loads_the_checkpoint(
         assert (folder / "model.safetensors.index.json").is_file()
         assert len(list(folder.glob("*.safetensors"))) > 2
     model = step.TinyTransformerPaged.from_pretrained(folder, block_size=4, total_blocks=64)
-    assert model.cfg == CFG.replace(total_blocks=64, seed=None)
+    # max_model_len: the checkpoint's max_position_embeddings (hf_llama wrote the default one)
+    positions = default_max_positions(CFG)
+    assert model.cfg == CFG.replace(total_blocks=64, seed=None, max_model_len=positions)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
     assert tuple(model.kv_pool_k.shape) == (2, 64, 4, 2, 16)  # 2 KV heads, not 4
     expected = step.TinyTransformerPaged(CFG).state_dict()

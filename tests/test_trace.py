@@ -327,7 +327,7 @@ def test_step14_readme_trace_excerpts_are_real_output() -> None:
     assert len(excerpts) == 2, "the batched round, then the small-pool round"
     step = load_step(STEP_NAMES[-1])
     for excerpt, which in zip(excerpts, ["batched", "small-pool"], strict=True):
-        args = demo.parse_args(STEP_NAMES[-1], ["--trace-round", which])
+        args = demo.parse_args(STEP_NAMES[-1], ["--trace", "--trace-round", which])
         cfg = preset("demo", block_size=args.block_size, total_blocks=args.total_blocks)
         trace = format_trace(demo.traced_round(step, cfg, args)).splitlines()
         lines = [line for line in excerpt.splitlines() if line != "..."]

@@ -44,7 +44,7 @@ IGNORED = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", "
 class Mutant:
     id: str
     step: str  # the step whose tests must catch it (for common/, one step stands for all)
-    file: str  # in the step's folder; or, starting with "common/", in the repository
+    file: str  # in the step's folder; or, starting with "common/" or "bench/", in the repository
     old: str  # must occur exactly once in the file
     new: str
     what: str
@@ -54,7 +54,8 @@ class Mutant:
     @property
     def path(self) -> str:
         """The mutated file, relative to the repository."""
-        return self.file if self.file.startswith("common/") else f"{self.step}/{self.file}"
+        shared = self.file.startswith(("common/", "bench/"))  # not in a step's folder
+        return self.file if shared else f"{self.step}/{self.file}"
 
 
 M = Mutant
@@ -490,6 +491,27 @@ MUTANTS = [
     M("s14_7-admit-after-preempt", "step14_7", "scheduler.py",
       "        self.admission_open = False\n", "",
       "a round that preempted still admits waiting requests"),
+    # ---- the guards before the work: memory, context length, Ctrl-C ---------------------------
+    M("s14-model-no-memory-check", "step14", "model.py",
+      "        check_memory(cfg)  # the weights and the KV pool, before allocating either\n", "",
+      "a model allocates its pool without comparing it with the memory there is"),
+    M("c-memory-never-refuses", "step14", "common/memory.py",
+      "    if total <= free:\n        return\n", "    if True:\n        return\n",
+      "the memory check lets everything through", tests=("tests/test_guards.py",)),
+    M("c-memory-kv-per-block", "step14", "common/memory.py",
+      "    return cfg.total_blocks * cfg.block_size * cfg.kv_bytes_per_token()",
+      "    return cfg.total_blocks * cfg.kv_bytes_per_token()",
+      "the KV pool counted by blocks as if by tokens", tests=("tests/test_guards.py",)),
+    M("c-bench-memory-after-prompts", "step14", "bench/showcase.py",
+      "    check_workload_memory(args, workload)\n", "",
+      "the bench draws the prompts before it checks the memory", tests=("tests/test_guards.py",)),
+    M("c-inputs-context-bound", "step14", "common/inputs.py",
+      "if limit is not None and prompt_len + max_new_tokens > limit:",
+      "if limit is not None and prompt_len + max_new_tokens >= limit:",
+      "a request exactly as long as the context is refused"),
+    M("c-errors-no-interrupt", "step14", "common/errors.py",
+      "    except KeyboardInterrupt:\n        print(f\"\\n{prog}: interrupted\", file=sys.stderr)\n        return INTERRUPTED\n",
+      "", "Ctrl-C ends a command with a traceback", tests=("tests/test_guards.py",)),
     # ---- common/inputs.py: the request checks of every step (step14's tests stand for all) ----
     M("c-inputs-need-plus-one", "step14", "common/inputs.py",
       "cdiv(prompt_len + max_new_tokens - 1, block_size)",

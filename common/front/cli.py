@@ -12,6 +12,7 @@ of surfacing minutes later as a traceback (or, worse, as a negative tokens/s).
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..config import DTYPES
+from ..memory import SKIP_ENV
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -49,12 +51,18 @@ seed_int = int_range(0, 2**63 - 1)  # what torch.Generator.manual_seed takes
 
 
 def dtype_name(text: str) -> str:
-    """A dtype the model can be built in (``float32``, ``bfloat16``, ...)."""
-    if text not in DTYPES:
+    """A dtype the model can be built in (``float32``, ``bfloat16``, ...), or ``auto``: with a
+    checkpoint, the dtype its files are stored in."""
+    if text not in DTYPES and text != "auto":
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a dtype; choose from {', '.join(DTYPES)}"
+            f"{text!r} is not a dtype; choose from {', '.join(DTYPES)}, or auto (a checkpoint's)"
         )
     return text
+
+
+def dtype_value(name: str) -> torch.dtype | str:
+    """``--dtype``'s value for a config: the torch dtype, or ``"auto"`` for a checkpoint."""
+    return name if name == "auto" else DTYPES[name]
 
 
 def device_name(text: str) -> str:
@@ -94,16 +102,48 @@ def writable_folder(text: str) -> str:
     if not existing.is_dir():
         where = "" if existing == folder else f" ({existing} is a file)"
         raise argparse.ArgumentTypeError(f"{text}: exists and is not a folder{where}")
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as exc:
+    why = why_unwritable(existing)
+    if why:
         raise argparse.ArgumentTypeError(
-            f"{text}: cannot write in {existing} ({exc.strerror or exc}); choose another folder"
-        ) from None
+            f"{text}: cannot write in {existing} ({why}); choose another folder"
+        )
     return text
+
+
+def why_unwritable(folder: str | Path, file: str | Path | None = None) -> str | None:
+    """What the system says when a file is written in `folder` (or `file` is appended to),
+    or None when it can be. Nothing is left behind: the probe is a temporary file."""
+    try:
+        if file is not None and os.path.exists(file):
+            with open(file, "ab"):
+                pass
+        else:
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+    except OSError as exc:
+        return str(exc.strerror or exc)
+    return None
 
 
 def plural(count: int, word: str) -> str:
     """``plural(1, "token")`` -> "1 token", ``plural(2, "token")`` -> "2 tokens"."""
     return f"{count} {word}{'' if count == 1 else 's'}"
+
+
+class SkipMemoryCheck(argparse.Action):
+    """``--no-memory-check``: the memory check is skipped for the rest of the process."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        os.environ[SKIP_ENV] = "1"
+        setattr(namespace, self.dest, True)
+
+
+def add_memory_check_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-memory-check",
+        action=SkipMemoryCheck,
+        nargs=0,
+        default=False,
+        help="do not compare the KV pool and the weights with the memory available before "
+        f"allocating them (the same as {SKIP_ENV}=1)",
+    )

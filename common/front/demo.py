@@ -30,17 +30,21 @@ from typing import Protocol
 import torch
 
 from ..config import DTYPES, PRESETS, ModelConfig, preset
+from ..errors import report_user_errors
 from ..inputs import blocks_for_request
+from ..memory import check_memory
 from ..reference import ReferenceModel, reference_generate
 from ..stats import EngineStats
 from .cli import (
     HelpFormatter,
+    add_memory_check_flag,
     device_name,
     dtype_name,
     non_negative_int,
     plural,
     positive_int,
     seed_int,
+    why_unwritable,
 )
 from .steps import load_step
 from .text import add_model_args, run_text
@@ -81,7 +85,12 @@ def parse_args(step_name: str, argv: list[str] | None) -> argparse.Namespace:
         prog=f"python -m {step_name}.run", description=DESCRIPTION, formatter_class=HelpFormatter
     )
     p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", type=dtype_name, default="float32", help=", ".join(DTYPES))
+    p.add_argument(
+        "--dtype",
+        type=dtype_name,
+        default="float32",
+        help=", ".join(DTYPES) + ", or auto (with --model DIR: the dtype it is stored in)",
+    )
     p.add_argument(
         "--block-size", type=positive_int, default=16, metavar="N", help="tokens per KV block"
     )
@@ -113,6 +122,7 @@ def parse_args(step_name: str, argv: list[str] | None) -> argparse.Namespace:
         help="torch CPU threads (0: torch's default, one per core); one keeps timings steady "
         "on a busy machine; a real --model runs faster on more of an idle machine's cores",
     )
+    add_memory_check_flag(p)
     add_model_args(p)
     p.add_argument(
         "--trace",
@@ -130,15 +140,25 @@ def parse_args(step_name: str, argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--trace-round",
         choices=list(TRACE_ROUNDS),
-        default="batched",
+        default=None,
         help="the demo round that --trace and --trace-png show: batched (a roomy pool: the "
         "leapfrog through the shared prefix) or small-pool (preemption and eviction)",
     )
     args = p.parse_args(argv)
     if args.trace_png is not None and importlib.util.find_spec("matplotlib") is None:
         p.error("--trace-png needs matplotlib: pip install -e '.[plot]'")
+    if args.trace_round is not None and not (args.trace or args.trace_png is not None):
+        p.error("--trace-round chooses what --trace or --trace-png shows: give one of them")
     if args.model is not None:
+        if args.trace_round is not None:
+            p.error(
+                "--trace-round is for the demo's rounds: with --model the trace shows the "
+                "prompts being served"
+            )
         return args  # real text: common/front/text.py checks each request before loading
+    if args.dtype == "auto":
+        p.error("--dtype auto needs --model DIR: it means the dtype the checkpoint is stored in")
+    args.trace_round = args.trace_round or "batched"
     if args.system is not None or args.prompt:
         p.error("--system and --prompt need --model DIR (a checkpoint): the demo has its own")
     if args.no_chat_template:
@@ -161,8 +181,11 @@ def png_path(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file name")
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"{text!r}: there is no directory {folder!r}")
-    if not os.access(folder, os.W_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"{text!r}: cannot write there")
+    why = why_unwritable(folder, text)  # what writing there would say, without the picture
+    if why:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: cannot write there ({why}); choose another file"
+        )
     return text
 
 
@@ -289,10 +312,16 @@ def warm_up(step: ModuleType, model: torch.nn.Module, prompt: list[int]) -> None
 
 
 def main(step_name: str, argv: list[str] | None = None) -> int:
-    """``python -m <step_name>.run``: the demo, or real text with ``--model DIR``."""
+    """``python -m <step_name>.run``: the demo, or real text with ``--model DIR``. A problem
+    with what was given is one ``error:`` line and status 1; Ctrl-C, one line and 130."""
     args = parse_args(step_name, argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    return report_user_errors(f"python -m {step_name}.run", lambda: run_demo(step_name, args))
+
+
+def run_demo(step_name: str, args: argparse.Namespace) -> int:
+    """The demo's rounds, its checks, and the trace when asked; or ``--model DIR``'s text."""
     tracing = args.trace or args.trace_png is not None
     if args.model is not None:
         return serve_text(step_name, args, tracing)
@@ -305,6 +334,7 @@ def main(step_name: str, argv: list[str] | None = None) -> int:
         total_blocks=args.total_blocks,
         seed=args.seed,
     )
+    check_memory(cfg)  # before the banner: a pool the machine cannot hold is the only line
     prompts = demo_prompts(cfg.vocab_size, cfg.block_size)
     print(banner(step_name, cfg, len(prompts), args.max_new_tokens))
     rounds = run_rounds(step, cfg, prompts, args)

@@ -62,7 +62,9 @@ def hf_config_dict(cfg: ModelConfig, max_position_embeddings: int | None = None)
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
         "rope_scaling": scaling,
-        "max_position_embeddings": max_position_embeddings or default_max_positions(cfg),
+        "max_position_embeddings": (
+            max_position_embeddings or cfg.max_model_len or default_max_positions(cfg)
+        ),
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "attention_bias": False,
         "mlp_bias": False,

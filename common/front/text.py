@@ -34,9 +34,15 @@ import torch
 from ..checkpoint import check_stored_shapes, checkpoint_config, checkpoint_dir, eos_token_ids
 from ..config import ModelConfig
 from ..errors import CheckpointError, MissingPackageError, RequestError, report_user_errors
-from ..inputs import as_eos_ids, blocks_for_request, check_request, is_int
+from ..inputs import (
+    as_eos_ids,
+    blocks_for_request,
+    check_context_length,
+    check_request,
+    is_int,
+)
 from .chat import ChatTemplate, load_chat_template, messages_for
-from .cli import plural
+from .cli import plural, positive_int
 from .steps import load_step
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -226,6 +232,8 @@ def check_text_requests(
                 f"(vocab_size={cfg.vocab_size}) lacks: tokenizer.json does not belong to this "
                 "checkpoint"
             )
+        # The context length first: past it, no pool size would help.
+        check_context_length(len(ids), int(max_new_tokens), cfg)
         need = blocks_for_request(len(ids), int(max_new_tokens), cfg.block_size)
         if need > cfg.total_blocks:
             raise RequestError(
@@ -277,6 +285,7 @@ def generate_text(
     eos_token_id: object = None,
     chat_template: bool = True,
     on_engine: Callable[[Any], object] | None = None,
+    threads: int | None = 1,
     **overrides: Any,
 ) -> TextResult:
     """Load ``model_dir`` into ``step``'s model (or use ``model``, loaded from it), serve
@@ -289,7 +298,14 @@ def generate_text(
     none. ``chat_template=False`` serves plain completions even when the checkpoint has a
     chat template. ``on_engine`` is called with the engine before it serves anything
     (``run.py --trace`` attaches a ``common.front.trace.RoundTracer`` there).
+
+    ``threads``: torch's CPU threads, set (for the whole process) before serving, as the
+    command lines do: one by default, since on a machine that other programs share two threads
+    wait for each other at every small matmul (50x slower was measured). None leaves torch's
+    setting alone; on an idle machine more threads speed up a big model.
     """
+    if threads is not None:
+        torch.set_num_threads(threads)
     prompts = check_prompt_list(prompts)
     step = load_step(step) if isinstance(step, str) else step
     cfg = model_config_for(model_dir, model, overrides)
@@ -373,6 +389,14 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         help="with --model: plain completion even when the checkpoint has a chat template "
         "(by default --system and each --prompt become chat messages in its markup)",
     )
+    parser.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        metavar="N",
+        help="with --model: the longest request, prompt + --max-new-tokens; None: the "
+        "checkpoint's max_position_embeddings. More is allowed, at your own risk: the model "
+        "never saw those positions",
+    )
 
 
 def kv_bytes_per_block(cfg: ModelConfig, kv_heads: int | None = None) -> int:
@@ -433,8 +457,11 @@ def short_system_note(system_tokens: int, block_size: int) -> str:
 
 def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
     """``from_pretrained``'s overrides: the flags this parser has and the user set."""
-    names = ("device", "dtype", "block_size", "total_blocks")
+    names = ("device", "dtype", "block_size", "total_blocks", "max_model_len")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
+EXAMPLE_PROMPT = "The capital of France is"  # what --model DIR answers without --prompt
 
 
 def run_text(
@@ -459,12 +486,14 @@ def run_text(
 def _run_text(
     step: ModuleType, args: argparse.Namespace, on_engine: Callable[[Any], object] | None
 ) -> int:
-    prompts = args.prompt or ["The capital of France is"]
+    prompts = args.prompt or [EXAMPLE_PROMPT]
     max_new_tokens = getattr(args, "max_new_tokens", None) or 32
     overrides = overrides_from(args)
     cfg = checkpoint_config(args.model, **overrides)
     use_template = not getattr(args, "no_chat_template", False)
     requests = prepare_requests(args.model, prompts, args.system, max_new_tokens, cfg, use_template)
+    if not args.prompt:  # said once the checkpoint and the request are known to be sound
+        print(f"no --prompt given: completing {EXAMPLE_PROMPT!r} (--prompt TEXT asks your own)")
     start = time.perf_counter()
     model = step.TinyTransformerPaged.from_pretrained(args.model, **overrides)
     print(f"{step.__name__}: {args.model} (loaded in {time.perf_counter() - start:.1f} s)")
