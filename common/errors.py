@@ -13,6 +13,8 @@ keeps working for code that used the API before these classes existed.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from collections.abc import Callable
 
@@ -54,7 +56,8 @@ INTERRUPTED = 130  # the shell's status for a program ended by Ctrl-C (128 + SIG
 def report_user_errors(prog: str, body: Callable[[], int]) -> int:
     """Run ``body`` and return its exit status; a ``UserError`` becomes one line on stderr,
     ``<prog>: error: <message>`` (argparse's form), and status 1; Ctrl-C becomes
-    ``<prog>: interrupted`` and status 130. Other exceptions propagate with their traceback."""
+    ``<prog>: interrupted`` and the end of ``end_as_interrupted``. Other exceptions propagate
+    with their traceback."""
     try:
         return body()
     except UserError as exc:
@@ -62,4 +65,18 @@ def report_user_errors(prog: str, body: Callable[[], int]) -> int:
         return 1
     except KeyboardInterrupt:
         print(f"\n{prog}: interrupted", file=sys.stderr)
+        return end_as_interrupted()
+
+
+def end_as_interrupted() -> int:
+    """End the way Ctrl-C ends a program, by SIGINT itself, once every ``finally`` has run: the
+    shell then reads status 130 and a script that runs us stops too (what Python does for a
+    KeyboardInterrupt nobody catches, and what it would do anyway, now and then, after one that
+    landed inside ``exec``). Where a process cannot signal itself, status 130."""
+    if os.name != "posix":
         return INTERRUPTED
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+    return INTERRUPTED  # not reached: the signal ends the process
