@@ -7,7 +7,6 @@ one raises ``ValueError`` saying what is wrong, and the engine's state stays as 
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -15,6 +14,8 @@ import torch
 
 from .config import ModelConfig
 from .errors import RequestError
+from .numbers import is_int
+from .sampling import SamplingParams
 
 
 def cdiv(a: int, b: int) -> int:
@@ -34,11 +35,17 @@ class Request:
 
     prompt_ids: list[int]
     max_new_tokens: int
+    # eos ids and the request's stop_token_ids: any of them ends it (finish_reason "stop")
     eos_token_ids: frozenset[int]
+    sampling_params: SamplingParams
 
 
 def check_request(
-    prompt_ids: object, max_new_tokens: object, eos_token_id: object, cfg: ModelConfig
+    prompt_ids: object,
+    max_new_tokens: object,
+    eos_token_id: object,
+    cfg: ModelConfig,
+    sampling_params: object = None,
 ) -> Request:
     """The request as plain ints, or ``ValueError`` naming what is wrong with it."""
     vocab = cfg.vocab_size
@@ -48,18 +55,45 @@ def check_request(
     bad = [t for t in prompt if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-    if not is_int(max_new_tokens) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    eos = as_eos_ids(eos_token_id, vocab)
-    check_context_length(len(prompt), int(max_new_tokens), cfg)
-    need = blocks_for_request(len(prompt), int(max_new_tokens), cfg.block_size)
+    params = as_sampling_params(max_new_tokens, sampling_params)
+    outside = [t for t in params.stop_token_ids if t >= vocab]
+    if outside:
+        raise ValueError(
+            f"SamplingParams.stop_token_ids {outside[:5]} are outside the vocabulary [0, {vocab})"
+        )
+    stop = as_eos_ids(eos_token_id, vocab) | frozenset(params.stop_token_ids)
+    check_context_length(len(prompt), params.max_tokens, cfg)
+    need = blocks_for_request(len(prompt), params.max_tokens, cfg.block_size)
     if need > cfg.total_blocks:
         raise ValueError(
-            f"request needs {need} blocks ({len(prompt)} prompt + {max_new_tokens} new "
+            f"request needs {need} blocks ({len(prompt)} prompt + {params.max_tokens} new "
             f"tokens at block_size={cfg.block_size}) but the pool has only "
             f"{cfg.total_blocks}: it could never run"
         )
-    return Request(prompt, int(max_new_tokens), eos)
+    return Request(prompt, params.max_tokens, stop, params)
+
+
+def as_sampling_params(max_new_tokens: object, sampling_params: object) -> SamplingParams:
+    """The request's ``SamplingParams``: the one given, or greedy decoding of
+    ``max_new_tokens`` tokens (the chapter's API); one of them, and not both, since they could
+    disagree (no default length: vLLM's 16 tokens would surprise a reader of the chapter)."""
+    if sampling_params is None:
+        if not is_int(max_new_tokens) or max_new_tokens < 1:
+            raise ValueError(
+                f"max_new_tokens must be an integer >= 1 (or give sampling_params), "
+                f"got {max_new_tokens!r}"
+            )
+        return SamplingParams(max_tokens=int(max_new_tokens))
+    if not isinstance(sampling_params, SamplingParams):
+        raise ValueError(
+            f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}"
+        )
+    if max_new_tokens is not None:
+        raise ValueError(
+            "give max_new_tokens or sampling_params (its max_tokens), not both: "
+            f"got {max_new_tokens!r} and {sampling_params.max_tokens}"
+        )
+    return sampling_params
 
 
 def check_context_length(prompt_len: int, max_new_tokens: int, cfg: ModelConfig) -> None:
@@ -77,35 +111,33 @@ def check_context_length(prompt_len: int, max_new_tokens: int, cfg: ModelConfig)
 
 
 def check_requests(
-    prompts: object, max_new_tokens: object, eos_token_id: object, cfg: ModelConfig
+    prompts: object,
+    max_new_tokens: object,
+    eos_token_id: object,
+    cfg: ModelConfig,
+    sampling_params: object = None,
 ) -> list[Request]:
     """``check_request`` for every prompt of a batch, before any is queued: a bad one leaves
     the engine untouched. The checked requests are what the engine queues (a prompt given as
-    a one-shot iterator is read once)."""
+    a one-shot iterator is read once). ``sampling_params``: one for all, or one per prompt."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
         raise ValueError(
             f"prompts must be a list of prompts (lists of token ids), got {type(prompts).__name__}"
         )
-    return [check_request(p, max_new_tokens, eos_token_id, cfg) for p in prompts]
-
-
-def is_int(x: object) -> bool:
-    """An integer of any kind (Python, NumPy, a 0-d integer tensor or array), but not a bool."""
-    # ``type(x) is int`` answers the usual case at once; the general check is ~20x slower,
-    # which shows when every token of every prompt is checked.
-    if type(x) is int:
-        return True
-    if isinstance(x, bool):
-        return False
-    if isinstance(x, torch.Tensor):
-        return x.dim() == 0 and not (
-            x.is_floating_point() or x.is_complex() or x.dtype is torch.bool
-        )
-    try:  # what Python itself accepts as an index: NumPy integers, 0-d integer arrays
-        operator.index(x)
-    except TypeError:
-        return False
-    return True
+    prompts = list(prompts)
+    if isinstance(sampling_params, (list, tuple)):
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"{len(sampling_params)} sampling_params for {len(prompts)} prompts: give one "
+                "for all, or one per prompt"
+            )
+        per_prompt = list(sampling_params)
+    else:
+        per_prompt = [sampling_params] * len(prompts)
+    return [
+        check_request(p, max_new_tokens, eos_token_id, cfg, params)
+        for p, params in zip(prompts, per_prompt, strict=True)
+    ]
 
 
 def as_token_list(prompt_ids: object) -> list[int]:

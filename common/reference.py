@@ -2,7 +2,7 @@
 
 No KV cache, no blocks, no chunks: every call recomputes attention over the whole sequence
 with a plain causal mask. It is slow on purpose and simple enough to trust; every step's paged
-engine must reproduce its greedy tokens.
+engine must reproduce its tokens, greedy or sampled with a seed.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 
 from .config import ModelConfig
 from .layers import CausalLM, compute_dtype, rope_cos_sin
+from .sampling import GREEDY, SamplingParams, sample
 
 
 class ReferenceModel(CausalLM):
@@ -59,13 +60,21 @@ def reference_generate(
     prompts: list[list[int]],
     max_new_tokens: int,
     eos_token_id: int | None = None,
+    sampling_params: SamplingParams | None = None,
 ) -> list[list[int]]:
-    """Greedy decoding by recomputing the whole sequence for every new token."""
+    """Decoding by recomputing the whole sequence for every new token: greedy, or drawn as
+    ``sampling_params`` says (its seed given, since there is no engine to give one) with the
+    engines' own sampler, which makes the k-th draw depend on the seed, k and the logits alone.
+    ``sampling_params.max_tokens`` and its stop ids are not read: ``max_new_tokens`` and
+    ``eos_token_id`` say when to stop."""
+    params = sampling_params or GREEDY
+    if not params.greedy and params.seed is None:
+        raise ValueError("the reference samples only with a seed")
     outputs = []
     for prompt in prompts:
         tokens, generated = list(prompt), []
-        for _ in range(max_new_tokens):
-            next_id = int(model(tokens)[-1].argmax())
+        for k in range(max_new_tokens):
+            next_id = sample(model(tokens)[-1:], [params], [k])[0]
             generated.append(next_id)
             tokens.append(next_id)
             if next_id == eos_token_id:

@@ -6,20 +6,26 @@ ones are admitted while their first chunk fits. A prefilling sequence first adop
 blocks the cache already holds, then advances one chunk of ``block_size`` tokens (chunk =
 block, so chunk boundaries are cache boundaries); a decoding sequence produces one token.
 Memory comes on demand: a block is taken when a token first needs it, and when none is left
-the youngest running sequence is preempted (its blocks go back; it recomputes later). Finished
-sequences give their blocks back. Every block that fills up, prompt or output, is cached at
-once, so the next sequence can adopt it. Every memory operation is the KV cache manager's
-(``kv_cache_manager.py``); this file is the round loop, the public API and the figures.
+the youngest running sequence is preempted (its blocks go back; it recomputes later). Each new
+token is greedy or drawn (``common/sampling.py``), and ``step`` hands back what the round
+produced, request by request. Finished sequences give their blocks back. Every block that
+fills up, prompt or output, is cached at once, so the next sequence can adopt it. Every memory
+operation is the KV cache manager's (``kv_cache_manager.py``); this file is the round loop,
+the public API and the figures.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from dataclasses import replace
+
+import torch
 
 from common.inputs import Request, check_request, check_requests
 from common.kv_events import KVCacheEvent
 from common.observer import NO_OBSERVER, RoundObserver
+from common.sampling import RequestOutput, SamplingParams, sample, with_seed
 from common.stats import EngineStats
 
 from .kv_cache_manager import KVCacheManager
@@ -37,6 +43,7 @@ class PagedPrefixCacheEngine:
         max_running: int = 8,
         enable_prefix_cache: bool = True,
         enable_kv_cache_events: bool = False,
+        seed: int = 0,
     ) -> None:
         self.model = model
         self.block_size = model.cfg.block_size
@@ -48,51 +55,81 @@ class PagedPrefixCacheEngine:
         self._counters = EngineStats()
         self._next_id = 0
         self._outputs: dict[int, list[int]] = {}
+        self._aborted: list[RequestOutput] = []  # reported by the next step()
+        self._seeds = random.Random(seed)  # a seed for each request that brings none
 
     # ---- public API -------------------------------------------------------------------------
 
     def add_request(
-        self, prompt_ids: list[int], max_new_tokens: int, eos_token_id: object = None
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int | None = None,
+        eos_token_id: object = None,
+        *,
+        sampling_params: SamplingParams | None = None,
     ) -> int:
         """Queue a request; returns its id. ``eos_token_id``: None, one id or a collection of
-        ids (the request stops at any). Bad input raises ValueError and changes nothing."""
-        return self._queue(check_request(prompt_ids, max_new_tokens, eos_token_id, self.model.cfg))
+        ids (the request stops at any). ``sampling_params`` stands in for ``max_new_tokens``
+        and says how to sample (greedy by default). Bad input raises ValueError and changes
+        nothing."""
+        cfg = self.model.cfg
+        return self._queue(
+            check_request(prompt_ids, max_new_tokens, eos_token_id, cfg, sampling_params)
+        )
 
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def step(self) -> None:
-        """One round of continuous batching: one model call per scheduled sequence."""
-        scheduled = []
+    def step(self) -> list[RequestOutput]:
+        """One round of continuous batching: one model call per scheduled sequence. Returns
+        the round's outputs: one per request that produced a token or ended."""
+        scheduled, sampled = [], []
         for seq, chunk, start in self._schedule():
             logits = self.model(chunk, seq.block_table, start)
             self.kv_cache_manager.cache_blocks(seq, start + len(chunk))  # its KV is in the pool
-            self._append_output(seq, start + len(chunk), int(logits[-1].argmax()))
+            if self._samples_now(seq, start + len(chunk)):
+                seq.append_token(self._sample(logits[-1:], [seq])[0])
+                sampled.append(seq)
             scheduled.append(seq)
-        self._finish_round(scheduled)
+        return self._finish_round(scheduled, sampled)
 
     def generate(
-        self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: object = None
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int | None = None,
+        eos_token_id: object = None,
+        *,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[list[int]]:
-        """Serve all prompts together (continuous batching); returns generated ids per prompt."""
-        requests = check_requests(prompts, max_new_tokens, eos_token_id, self.model.cfg)
+        """Serve all prompts together (continuous batching); returns generated ids per prompt.
+        ``sampling_params``: one for every prompt, or a list with one per prompt."""
+        cfg = self.model.cfg
+        requests = check_requests(prompts, max_new_tokens, eos_token_id, cfg, sampling_params)
         return self._run([self._queue(r) for r in requests])
 
     def generate_serial(
-        self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: object = None
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int | None = None,
+        eos_token_id: object = None,
+        *,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[list[int]]:
         """Serve prompts one at a time, through the same engine and cache."""
-        requests = check_requests(prompts, max_new_tokens, eos_token_id, self.model.cfg)
+        cfg = self.model.cfg
+        requests = check_requests(prompts, max_new_tokens, eos_token_id, cfg, sampling_params)
         return [self._run([self._queue(r)])[0] for r in requests]
 
     def abort(self, request_id: int) -> list[int]:
         """Cancel a queued or running request at once: its blocks go back (full ones stay
-        cached) and nothing more is generated. Returns the ids generated so far; KeyError if
-        the request is not queued or running."""
+        cached) and nothing more is generated. Returns the ids generated so far (the next
+        ``step`` reports its end, finish_reason "abort"); KeyError if the request is not
+        queued or running."""
         seq = self.scheduler.remove(request_id)
         self.kv_cache_manager.free(seq)
         seq.abort()
+        self._aborted.append(self._output(seq, []))
         return list(seq.generated_ids)
 
     def reset_prefix_cache(self) -> bool:
@@ -140,8 +177,13 @@ class PagedPrefixCacheEngine:
     # ---- requests in, outputs out -----------------------------------------------------------
 
     def _queue(self, request: Request) -> int:
+        params = with_seed(request.sampling_params, self._seeds)
         seq = Sequence(
-            self._next_id, request.prompt_ids, request.max_new_tokens, request.eos_token_ids
+            self._next_id,
+            request.prompt_ids,
+            request.max_new_tokens,
+            request.eos_token_ids,
+            sampling_params=params,
         )
         self._next_id += 1
         self.scheduler.add(seq)
@@ -248,16 +290,23 @@ class PagedPrefixCacheEngine:
         c.requests_hit += hit
         c.cached_tokens += adopted
 
-    def _append_output(self, seq: Sequence, num_computed: int, next_token: int) -> None:
-        """The model computed the sequence's tokens up to ``num_computed``; ``next_token`` is
-        the greedy choice at the last of them. A decode token, or a chunk that ends the
-        prefill, appends it; a chunk in the middle of a prompt has nothing to say yet."""
-        if seq.status is SequenceStatus.PREFILLING and not seq.advance_prefill(num_computed):
-            return
-        seq.append_token(next_token)
+    def _samples_now(self, seq: Sequence, num_computed: int) -> bool:
+        """The model computed the sequence's tokens up to ``num_computed``. A decode token, or
+        a chunk that ends the prefill, gives the next token; a chunk in the middle of a prompt
+        has nothing to say yet."""
+        return seq.status is not SequenceStatus.PREFILLING or seq.advance_prefill(num_computed)
 
-    def _finish_round(self, scheduled: list[Sequence]) -> None:
-        """Finished sequences give their blocks back and hand in their output."""
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """The next token of each sequence from its row of logits: its k-th draw depends on its
+        seed and k alone, so batching, preemption and the cache never change it."""
+        params = [seq.sampling_params for seq in seqs]
+        return sample(logits, params, [len(seq.generated_ids) for seq in seqs])
+
+    def _finish_round(
+        self, scheduled: list[Sequence], sampled: list[Sequence]
+    ) -> list[RequestOutput]:
+        """Finished sequences give their blocks back and hand in their output; every sequence
+        that produced a token (and every request aborted since the last round) is reported."""
         self._counters.rounds += bool(scheduled)
         self._counters.seqs_scheduled += len(scheduled)
         for seq in scheduled:
@@ -266,3 +315,11 @@ class PagedPrefixCacheEngine:
                 self._outputs[seq.seq_id] = seq.generated_ids
         self.scheduler.remove_finished()
         self.observer.round_ended()
+        outputs, self._aborted = self._aborted, []
+        return outputs + [self._output(seq, seq.generated_ids[-1:]) for seq in sampled]
+
+    @staticmethod
+    def _output(seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
+        finished = seq.status is SequenceStatus.FINISHED
+        generated = list(seq.generated_ids)
+        return RequestOutput(seq.seq_id, new_token_ids, generated, finished, seq.finish_reason)

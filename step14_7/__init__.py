@@ -1,5 +1,6 @@
 """One step of the paged prefix-cache tutorial: a complete engine (see this folder's README)."""
 
+from common.sampling import RequestOutput, SamplingParams
 from common.stats import EngineStats
 
 from .block_manager import BlockManager, NoFreeBlocksError
@@ -18,6 +19,8 @@ __all__ = [
     "PagedPrefixCacheEngine",
     "PagedScheduler",
     "PrefixCache",
+    "RequestOutput",
+    "SamplingParams",
     "Sequence",
     "SequenceStatus",
     "TinyTransformerPaged",

@@ -1,7 +1,8 @@
 """Sequence: one request, as the scheduler and the KV cache manager see it (vLLM: ``Request``).
 
-It holds what the request asked for (prompt, ``max_new_tokens``, eos ids), what it has produced
-(``generated_ids``) and where its KV lives (``block_table``): nothing else about memory.
+It holds what the request asked for (prompt, ``max_new_tokens``, eos ids, how to sample), what
+it has produced (``generated_ids``) and where its KV lives (``block_table``): nothing else about
+memory.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 
 from common import hashing
+from common.sampling import GREEDY, FinishReason, SamplingParams
 
 
 class SequenceStatus(Enum):
@@ -27,8 +29,11 @@ class Sequence:
     seq_id: int
     prompt_ids: list[int]
     max_new_tokens: int
-    # The ids that end the request (Llama 3 lists several); empty: only max_new_tokens does.
+    # The ids that end the request (Llama 3 lists several eos ids; a request may add stop ids);
+    # empty: only max_new_tokens does.
     eos_token_ids: frozenset[int] = frozenset()
+    # Greedy or drawn; a drawn request always has its seed here (the engine gives it one).
+    sampling_params: SamplingParams = GREEDY
     generated_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     # Entries of block_table adopted from the prefix cache (retained, not allocated). Not only
@@ -39,6 +44,7 @@ class Sequence:
     prefill_offset: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
+    finish_reason: FinishReason | None = None  # why it ended, once FINISHED
     # Chain hashes of the full blocks, prompt and output, computed so far (vLLM:
     # Request.block_hashes). Tokens never change, so they stay valid across a preemption.
     block_hashes: list[int] = field(default_factory=list)
@@ -94,10 +100,13 @@ class Sequence:
         return self.is_prefill_done
 
     def append_token(self, token_id: int) -> None:
-        """A new token; the request is finished at ``max_new_tokens`` or at an eos id."""
+        """A new token; the request is finished at an eos id ("stop", first, as in vLLM) or at
+        ``max_new_tokens`` ("length")."""
         self.generated_ids.append(token_id)
-        if len(self.generated_ids) >= self.max_new_tokens or token_id in self.eos_token_ids:
-            self.status = SequenceStatus.FINISHED
+        if token_id in self.eos_token_ids:
+            self._finish("stop")
+        elif len(self.generated_ids) >= self.max_new_tokens:
+            self._finish("length")
 
     def preempt(self) -> None:
         """Its blocks were taken back: it waits again, to prefill prompt + output anew."""
@@ -107,4 +116,8 @@ class Sequence:
 
     def abort(self) -> None:
         """Cancelled by its user: finished where it stands."""
+        self._finish("abort")
+
+    def _finish(self, reason: FinishReason) -> None:
         self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason

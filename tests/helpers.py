@@ -120,14 +120,14 @@ def guard_against_hangs(engine: object, max_rounds: int = MAX_ROUNDS_PER_ENGINE)
     """Make ``engine.step`` (and so ``generate``) fail once the engine has run ``max_rounds``."""
     real_step, rounds = engine.step, [0]
 
-    def step() -> None:
+    def step() -> list:
         rounds[0] += 1
         if rounds[0] > max_rounds:
             raise AssertionError(
                 f"the engine ran {max_rounds} rounds and still has work: a request is stuck "
                 f"(never admitted, or never finishing)"
             )
-        real_step()
+        return real_step()
 
     engine.step = step
 

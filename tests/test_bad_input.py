@@ -36,6 +36,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.sampling import SamplingParams
 from tests.helpers import EngineFactory, edit_json, reference_tokens, run_python, tiny_config
 
 # ---- the engine's API: refused at the door, nothing changed --------------------------------------
@@ -61,6 +62,7 @@ class BadRequest:
     prompt: object
     max_new_tokens: object = MAX_NEW
     eos_token_id: object = None
+    sampling_params: object = None
 
 
 BAD_REQUESTS: dict[str, BadRequest] = {
@@ -91,21 +93,37 @@ BAD_REQUESTS: dict[str, BadRequest] = {
     "eos-float": BadRequest([1, 2], eos_token_id=1.0),
     "too-long-prompt": BadRequest([1] * (TOTAL_BLOCKS * BLOCK_SIZE + 1), max_new_tokens=1),
     "too-many-new-tokens": BadRequest([1, 2], max_new_tokens=TOTAL_BLOCKS * BLOCK_SIZE),
+    "sampling-params-dict": BadRequest([1, 2], None, sampling_params={"temperature": 1.0}),
+    "sampling-and-max-new": BadRequest([1, 2], sampling_params=SamplingParams(max_tokens=2)),
+    "stop-id-equals-vocab": BadRequest(
+        [1, 2], None, sampling_params=SamplingParams(max_tokens=2, stop_token_ids=[VOCAB])
+    ),
+    "too-many-sampled-tokens": BadRequest(
+        [1, 2], None, sampling_params=SamplingParams(max_tokens=TOTAL_BLOCKS * BLOCK_SIZE)
+    ),
 }
 TOO_BIG = ("too-long-prompt", "too-many-new-tokens")
 
 
 def submit_add_request(engine, bad: BadRequest) -> object:
-    return engine.add_request(bad.prompt, bad.max_new_tokens, bad.eos_token_id)
+    return engine.add_request(
+        bad.prompt, bad.max_new_tokens, bad.eos_token_id, sampling_params=bad.sampling_params
+    )
 
 
 def submit_generate(engine, bad: BadRequest) -> object:
     """The bad prompt comes last, after good ones: all or nothing means none is queued."""
-    return engine.generate([GOOD, QUEUED, bad.prompt], bad.max_new_tokens, bad.eos_token_id)
+    prompts = [GOOD, QUEUED, bad.prompt]
+    return engine.generate(
+        prompts, bad.max_new_tokens, bad.eos_token_id, sampling_params=bad.sampling_params
+    )
 
 
 def submit_generate_serial(engine, bad: BadRequest) -> object:
-    return engine.generate_serial([GOOD, bad.prompt], bad.max_new_tokens, bad.eos_token_id)
+    prompts = [GOOD, bad.prompt]
+    return engine.generate_serial(
+        prompts, bad.max_new_tokens, bad.eos_token_id, sampling_params=bad.sampling_params
+    )
 
 
 SUBMITTERS: dict[str, Callable[[object, BadRequest], object]] = {
@@ -141,6 +159,10 @@ def assert_same_future(engine, twin) -> None:
     outputs = engine.generate([GOOD, QUEUED], MAX_NEW)
     assert outputs == twin.generate([GOOD, QUEUED], MAX_NEW)
     assert outputs == reference_tokens(CFG, [GOOD, QUEUED], MAX_NEW)
+    sampled = SamplingParams(max_tokens=MAX_NEW, temperature=1.0)  # no seed: the engine's next
+    assert engine.generate([GOOD], sampling_params=sampled) == twin.generate(
+        [GOOD], sampling_params=sampled
+    )
     assert not engine.has_work
     assert engine.stats == twin.stats
     assert engine.ref_count_problems() == []
