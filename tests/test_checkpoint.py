@@ -653,7 +653,10 @@ def test_run_py_serves_text_from_a_checkpoint(
     for prompt, ids in zip(PROMPTS, checkpoint["expected"]):
         assert f"] {prompt}\n" in out
         count = f"{len(ids)} token{'' if len(ids) == 1 else 's'}"
-        assert f"-> {decode(ids, skip_special_tokens=True)}  ({count})" in out
+        reason = "length" if len(ids) == NEW_TOKENS else "stop"  # the eos is not shown
+        assert (
+            f"-> {decode(ids, skip_special_tokens=True)}  ({count}, finish_reason={reason})" in out
+        )
     assert out.startswith(f"{step_name}: {checkpoint['single']}")
     cache = re.search(r"prefix cache: \d+/3 requests hit, (\d+)/(\d+) prompt tokens", out)
     assert cache is not None, out

@@ -529,7 +529,7 @@ def test_run_text_prints_one_token_and_the_short_system_note(tmp_path: Path, cap
     argv = ["--model", str(tmp_path), "--max-new-tokens", "1", "--system", "the cat"]
     assert LAST_RUN.main([*argv, "--prompt", "sat", "--prompt", "ran"]) == 0
     out = capsys.readouterr().out
-    assert "(1 token)" in out and "(1 tokens)" not in out
+    assert "(1 token, finish_reason=length)" in out and "(1 tokens" not in out
     assert "system prompt: 'the cat' (3 tokens," in out  # <s> the cat
     assert "0/2 requests hit" in out
     assert "3 tokens, shorter than one block of 16" in out

@@ -28,6 +28,9 @@ from ..errors import CheckpointError, MissingPackageError, UserError
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
+# A request to the text front end: a prompt, or a conversation (chat messages, the last one the
+# turn the model answers).
+Prompt = str | list[dict[str, str]]
 # Older jinja2 releases have sandbox escapes (transformers refuses them too).
 MIN_JINJA2 = (3, 1, 6)
 # The named special tokens a template may use, as transformers names them.
@@ -78,6 +81,35 @@ def messages_for(prompt: str, system: str | None) -> list[dict[str, str]]:
     """One request as chat messages: the shared system prompt (if any), then the user's."""
     messages = [] if system is None else [{"role": "system", "content": system}]
     return [*messages, {"role": "user", "content": prompt}]
+
+
+def check_messages(messages: object) -> list[dict[str, str]]:
+    """A conversation as the chat template takes it (a list of ``{"role": ..., "content":
+    ...}``, strings both), or ``ValueError`` saying which message is wrong and how.
+
+    Its last message must not be the assistant's: the template then writes the header of the
+    assistant's turn, and the model would answer a turn that already has its answer. Other keys
+    of a message (``name``, ...) are passed on to the template untouched.
+    """
+    shape = 'a chat message is {"role": "...", "content": "..."}'
+    if not isinstance(messages, list) or not messages:
+        got = "an empty list" if messages == [] else f"a {type(messages).__name__}"
+        raise ValueError(f"a conversation is a non-empty list of chat messages, got {got}")
+    for number, message in enumerate(messages, start=1):
+        if not isinstance(message, dict):
+            raise ValueError(f"message {number} is a {type(message).__name__}: {shape}")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                why = "has no" if key not in message else "has a non-string"
+                raise ValueError(f"message {number} {why} {key!r}: {shape}")
+        if not message["role"]:
+            raise ValueError(f"message {number} has an empty 'role'")
+    if messages[-1]["role"] == "assistant":
+        raise ValueError(
+            f"the last message ({len(messages)}) is the assistant's: end the conversation with "
+            "the turn the model should answer (the user's)"
+        )
+    return messages
 
 
 def load_chat_template(folder: Path) -> ChatTemplate | None:

@@ -47,7 +47,7 @@ from .cli import (
     why_unwritable,
 )
 from .steps import load_step
-from .text import add_model_args, run_text
+from .text import add_model_args, check_text_args, run_text
 from .trace import RoundTrace, RoundTracer, format_trace, trace_header
 from .workload import demo_prompts
 
@@ -61,8 +61,10 @@ prefix and the other nine hit it (cold round, 9/10); served again, all ten hit (
 serves them together. Every round must produce the same tokens as the dense reference model.
 
 With --model DIR (a local Hugging Face Llama checkpoint: config.json, *.safetensors,
-tokenizer.json) it serves real text instead: each --prompt behind the shared --system prompt,
-through this step's engine; --seed then has no use, the other flags keep their meaning.
+tokenizer.json) it serves real text instead: each --prompt behind the shared --system prompt
+(or --prompt-file's lines, or --messages conversations), through this step's engine, greedy or
+sampled (--temperature, --top-p, --top-k), all at once or --stream'ed; --seed then seeds the
+sampling, the other flags keep their meaning.
 
 --trace prints a run round by round: each request's work (the cached blocks it adopted, the
 chunk or token it computed, the blocks it allocated, cached and freed, a preemption) and the
@@ -112,7 +114,13 @@ def parse_args(step_name: str, argv: list[str] | None) -> argparse.Namespace:
         help="the batched engine's running set",
     )
     p.add_argument(
-        "--seed", type=seed_int, default=0, metavar="N", help="seed of the model's random weights"
+        "--seed",
+        type=seed_int,
+        default=0,
+        metavar="N",
+        help="the demo: seed of the model's random weights; with --model: seed of the "
+        "sampling (each request draws its own seed from it; the same N, the same answers, "
+        "in every step)",
     )
     p.add_argument(
         "--threads",
@@ -149,6 +157,7 @@ def parse_args(step_name: str, argv: list[str] | None) -> argparse.Namespace:
         p.error("--trace-png needs matplotlib: pip install -e '.[plot]'")
     if args.trace_round is not None and not (args.trace or args.trace_png is not None):
         p.error("--trace-round chooses what --trace or --trace-png shows: give one of them")
+    check_text_args(p, args)
     if args.model is not None:
         if args.trace_round is not None:
             p.error(

@@ -9,7 +9,13 @@ When the checkpoint carries a chat template (``common/front/chat.py``), the shar
 and each prompt become chat messages in the model's own markup, ending with the header of the
 assistant's turn; otherwise (or with ``chat_template=False``, ``--no-chat-template``) a prompt
 is a plain completion behind the system prompt. Either way every request starts with the same
-token ids for the shared part, so the prefix cache serves its full blocks.
+token ids for the shared part, so the prefix cache serves its full blocks. A prompt may also be
+a whole conversation, a list of chat messages (``--messages FILE``), multi-turn.
+
+Each request is decoded as ``SamplingParams`` say (greedy unless ``--temperature`` > 0; vLLM's
+names), and the engine is driven round by round (``add_request``, then ``step()``): each
+round's ``RequestOutput``s say which tokens came and why a request ended, and ``--stream``
+prints the text as it grows (``common/front/stream.py``).
 
 Everything that can be checked without the weights is checked before they are read (the
 config, the weight files, the tokenizer, the template, every request against the KV pool): a
@@ -22,6 +28,9 @@ a chat template.
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,18 +43,17 @@ import torch
 from ..checkpoint import check_stored_shapes, checkpoint_config, checkpoint_dir, eos_token_ids
 from ..config import ModelConfig
 from ..errors import CheckpointError, MissingPackageError, RequestError, report_user_errors
-from ..inputs import (
-    as_eos_ids,
-    blocks_for_request,
-    check_context_length,
-    check_request,
-    is_int,
-)
-from .chat import ChatTemplate, load_chat_template, messages_for
-from .cli import plural, positive_int
+from ..inputs import as_eos_ids, blocks_for_request, check_context_length, check_request
+from ..numbers import is_int
+from ..sampling import RequestOutput, SamplingParams
+from .chat import ChatTemplate, Prompt, check_messages, load_chat_template, messages_for
+from .cli import int_range, plural, positive_int
 from .steps import load_step
+from .stream import StreamPrinter, answer_head, answer_ids, answer_tail, text_decoder
 
 TOKENIZER_FILE = "tokenizer.json"
+DEFAULT_MAX_NEW_TOKENS = 32  # generate_text's, when neither max_new_tokens nor sampling_params
+OnOutput = Callable[[int, RequestOutput], object]  # (the prompt's index, what a round made)
 # The fields of a config that say which network it is; the others size the KV pool or choose
 # where it runs, and may differ between a loaded model and its checkpoint's config.json.
 NETWORK_FIELDS = ("vocab_size", "d_model", "num_heads", "num_kv_heads", "num_layers", "d_ff")
@@ -90,10 +98,11 @@ def encode_prompts(
 
 
 def encode_chat(
-    tokenizer: Any, template: ChatTemplate, prompts: list[str], system: str | None = None
+    tokenizer: Any, template: ChatTemplate, prompts: list[Prompt], system: str | None = None
 ) -> list[list[int]]:
     """Token ids per request, as chat: ``system`` and the prompt as messages in the model's
-    markup, ending with the assistant's header; the ids ``apply_chat_template`` gives.
+    markup (a conversation as it is), ending with the assistant's header; the ids
+    ``apply_chat_template`` gives.
 
     Each conversation is tokenized whole, exactly as transformers does. The requests still
     share the tokens of the system part: the template writes it the same way every time, and
@@ -101,7 +110,7 @@ def encode_chat(
     """
     if not prompts:
         raise ValueError("give at least one prompt")
-    texts = [template.render(messages_for(p, system)) for p in prompts]
+    texts = [template.render(messages_for(p, system) if isinstance(p, str) else p) for p in prompts]
     return [tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
 
 
@@ -114,26 +123,22 @@ def common_prefix_len(sequences: list[list[int]]) -> int:
     return len(shortest)
 
 
-def strip_eos(ids: list[int], eos: frozenset[int]) -> list[int]:
-    """``ids`` without the eos that ended them (the engine stops at the first eos it makes,
-    so an eos can only be the last id)."""
-    return ids[:-1] if ids and ids[-1] in eos else ids
-
-
 @dataclass
 class TextResult:
     """What ``generate_text`` returns: the texts, their token ids and the engine's figures."""
 
-    prompts: list[str]
+    prompts: list[Prompt]
     outputs: list[str]
     prompt_ids: list[list[int]]
-    output_ids: list[list[int]]  # without the eos token
+    output_ids: list[list[int]]  # without the eos (or stop) token that ended them
     stats: Any  # the engine's EngineStats after serving
     seconds: float
     cfg: ModelConfig
     eos_token_ids: list[int] = field(default_factory=list)
     system_tokens: int = 0  # the shared prefix's length in tokens (BOS, chat markup included)
     chat_template: str | None = None  # where the applied chat template came from, or None
+    # why each request ended: "stop" (an eos or stop id) or "length" (max tokens reached)
+    finish_reasons: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -145,41 +150,87 @@ class TextRequests:
     eos: list[int]
     system_tokens: int
     chat_template: str | None
+    sampling_params: list[SamplingParams]  # one per request
 
 
-def check_prompt_list(prompts: object) -> list[str]:
-    """``prompts`` as a list of strings; one bare string is refused (it would otherwise be
-    served as one request per character)."""
+def check_prompt_list(prompts: object) -> list[Prompt]:
+    """``prompts`` as a list of strings or conversations (lists of chat messages); one bare
+    string is refused (it would otherwise be served as one request per character)."""
     if isinstance(prompts, str):
         raise ValueError(
             f"prompts must be a list of strings, got one str ({prompts[:40]!r}); "
             f"for one prompt write [{prompts[:40]!r}]"
         )
     prompts = list(prompts)  # type: ignore[call-overload]
-    bad = [type(p).__name__ for p in prompts if not isinstance(p, str)]
+    bad = [type(p).__name__ for p in prompts if not isinstance(p, (str, list))]
     if bad:
-        raise ValueError(f"prompts must be strings, got a {bad[0]}")
+        raise ValueError(
+            f"prompts must be strings (or conversations: lists of chat messages), got a {bad[0]}"
+        )
     if not prompts:
         raise ValueError("give at least one prompt")
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, list):
+            try:
+                check_messages(prompt)
+            except ValueError as exc:
+                raise ValueError(f"prompt {i + 1}: {exc}") from None
     return prompts
+
+
+def sampling_params_for(
+    num_prompts: int,
+    max_new_tokens: object = None,
+    sampling_params: SamplingParams | list[SamplingParams] | None = None,
+) -> list[SamplingParams]:
+    """One ``SamplingParams`` per request: ``sampling_params`` (one for all, or a list with one
+    per prompt), or greedy decoding of ``max_new_tokens`` (None: 32) tokens; not both, since
+    ``max_new_tokens`` and ``sampling_params.max_tokens`` could disagree (the engine's rule)."""
+    if sampling_params is None:
+        n = DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
+        if not is_int(n) or n < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {n!r}")
+        return [SamplingParams(max_tokens=int(n))] * num_prompts
+    if max_new_tokens is not None:
+        raise ValueError(
+            "give max_new_tokens or sampling_params (its max_tokens), not both: "
+            f"got max_new_tokens={max_new_tokens!r}"
+        )
+    given = sampling_params if isinstance(sampling_params, list) else [sampling_params]
+    bad = [type(p).__name__ for p in given if not isinstance(p, SamplingParams)]
+    if bad:
+        raise ValueError(f"sampling_params must be SamplingParams, got a {bad[0]}")
+    if len(given) == 1:
+        return given * num_prompts
+    if len(given) != num_prompts:
+        raise ValueError(
+            f"{len(given)} sampling_params for {num_prompts} prompts: give one for all, or one "
+            "per prompt"
+        )
+    return given
 
 
 def prepare_requests(
     model_dir: str | Path,
-    prompts: list[str],
+    prompts: list[Prompt],
     system: str | None,
-    max_new_tokens: int,
+    max_new_tokens: int | None,
     cfg: ModelConfig,
     chat_template: bool = True,
     eos_token_id: object = None,
+    sampling_params: SamplingParams | list[SamplingParams] | None = None,
 ) -> TextRequests:
     """Tokenize and check every request against ``cfg`` (its vocabulary and KV pool): the
-    slow part (loading the weights) starts only when all of this passed."""
+    slow part (loading the weights) starts only when all of this passed. A conversation
+    among ``prompts`` needs the checkpoint's chat template, and brings its own system message
+    (``system`` is refused with one)."""
+    params = sampling_params_for(len(prompts), max_new_tokens, sampling_params)
     folder = checkpoint_dir(model_dir)
     tokenizer = load_tokenizer(folder)
     template = load_chat_template(folder) if chat_template else None
+    check_conversations(prompts, system, template, chat_template, folder)
     if template is None:
-        prompt_ids = encode_prompts(tokenizer, prompts, system)
+        prompt_ids = encode_prompts(tokenizer, prompts, system)  # type: ignore[arg-type]
         shared = len(tokenizer.encode(system).ids) if system is not None else 0
     else:
         prompt_ids = encode_chat(tokenizer, template, prompts, system)
@@ -189,10 +240,32 @@ def prepare_requests(
         if eos_token_id is None
         else sorted(as_eos_ids(eos_token_id, cfg.vocab_size))
     )
-    check_text_requests(prompts, prompt_ids, max_new_tokens, eos, cfg)
+    check_text_requests(prompts, prompt_ids, params, eos, cfg)
     check_stored_shapes(folder, cfg)  # the weight files' headers only: milliseconds
     source = template.source if template is not None else None
-    return TextRequests(tokenizer, prompt_ids, eos, shared, source)
+    return TextRequests(tokenizer, prompt_ids, eos, shared, source, params)
+
+
+def check_conversations(
+    prompts: list[Prompt],
+    system: str | None,
+    template: ChatTemplate | None,
+    chat_template: bool,
+    folder: Path,
+) -> None:
+    """A conversation is written in the checkpoint's chat markup, so it needs the template,
+    and it has its own system message, if any, so ``system`` would be a second one."""
+    if all(isinstance(p, str) for p in prompts):
+        return
+    if system is not None:
+        raise ValueError(
+            "system= is for text prompts: a conversation carries its own system message"
+        )
+    if template is None:
+        why = "chat_template=False was given" if not chat_template else f"{folder} has none"
+        raise RequestError(
+            f"a conversation (--messages) is written in the checkpoint's chat template, and {why}"
+        )
 
 
 def chat_system_tokens(
@@ -208,18 +281,17 @@ def chat_system_tokens(
 
 
 def check_text_requests(
-    prompts: list[str],
+    prompts: list[Prompt],
     prompt_ids: list[list[int]],
-    max_new_tokens: int,
+    sampling_params: list[SamplingParams],
     eos: list[int],
     cfg: ModelConfig,
 ) -> None:
     """Every request must be servable by a model of ``cfg``, or a ``RequestError`` (a
     ``CheckpointError`` when the tokenizer and the model disagree) says which and why."""
-    if not is_int(max_new_tokens) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
+    for i, (prompt, ids, params) in enumerate(zip(prompts, prompt_ids, sampling_params)):
         which = f"prompt {i + 1} ({_short(prompt)})"
+        max_new_tokens = params.max_tokens
         if not ids:
             raise RequestError(
                 f"{which} is empty once tokenized (this tokenizer adds no BOS token): "
@@ -242,11 +314,13 @@ def check_text_requests(
                 f"{cfg.total_blocks}: raise --total-blocks (total_blocks=) to at least {need}, "
                 "or lower --max-new-tokens"
             )
-        check_request(ids, max_new_tokens, eos, cfg)  # whatever else the engine would refuse
+        check_request(ids, None, eos, cfg, params)  # whatever else the engine would refuse
 
 
-def _short(text: str, limit: int = 30) -> str:
-    return repr(text if len(text) <= limit else text[:limit] + "...")
+def _short(prompt: Prompt, limit: int = 30) -> str:
+    if not isinstance(prompt, str):  # a conversation: its last message says which
+        return f"{plural(len(prompt), 'message')}, the last {_short(prompt[-1]['content'])}"
+    return repr(prompt if len(prompt) <= limit else prompt[:limit] + "...")
 
 
 def model_config_for(
@@ -277,27 +351,42 @@ def model_config_for(
 def generate_text(
     step: ModuleType | str,
     model_dir: str | Path,
-    prompts: list[str],
+    prompts: list[Prompt],
     system: str | None = None,
-    max_new_tokens: int = 32,
+    max_new_tokens: int | None = None,
     max_running: int = 8,
     model: torch.nn.Module | None = None,
     eos_token_id: object = None,
     chat_template: bool = True,
     on_engine: Callable[[Any], object] | None = None,
     threads: int | None = 1,
+    *,
+    sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    seed: int = 0,
+    on_output: OnOutput | None = None,
     **overrides: Any,
 ) -> TextResult:
     """Load ``model_dir`` into ``step``'s model (or use ``model``, loaded from it), serve
     ``prompts`` (behind the shared ``system`` prompt) through the step's engine, and decode.
 
+    A prompt is a string, or a conversation: a list of chat messages (``{"role": ...,
+    "content": ...}``) ending with the turn the model answers, written in the checkpoint's chat
+    template (it needs one, and brings its own system message: no ``system`` with it).
+
     ``overrides`` go to ``from_pretrained`` (``block_size``, ``total_blocks``, ``dtype``,
     ``device``); with ``model`` they are refused. Each request ends at the first of the eos
-    ids or after ``max_new_tokens``: ``eos_token_id`` None takes the checkpoint's (all of
+    ids or after its max tokens: ``eos_token_id`` None takes the checkpoint's (all of
     them, when it lists several), an id or a collection of ids replaces them, ``()`` means
     none. ``chat_template=False`` serves plain completions even when the checkpoint has a
     chat template. ``on_engine`` is called with the engine before it serves anything
     (``run.py --trace`` attaches a ``common.front.trace.RoundTracer`` there).
+
+    Decoding: greedy ``max_new_tokens`` tokens (None: 32), or as ``sampling_params`` say (one
+    ``SamplingParams`` for every prompt, or a list with one per prompt; not both). ``seed`` is
+    the engine's: a request whose ``SamplingParams`` has no seed of its own gets one from it,
+    so a sampled run is repeatable, and the same in every step. ``on_output(index, output)``
+    is called with each ``RequestOutput`` of each round as it comes (``index``: the prompt's
+    place in ``prompts``): ``common.front.stream.StreamPrinter`` streams the text from there.
 
     ``threads``: torch's CPU threads, set (for the whole process) before serving, as the
     command lines do: one by default, since on a machine that other programs share two threads
@@ -310,36 +399,59 @@ def generate_text(
     step = load_step(step) if isinstance(step, str) else step
     cfg = model_config_for(model_dir, model, overrides)
     requests = prepare_requests(
-        model_dir, prompts, system, max_new_tokens, cfg, chat_template, eos_token_id
+        model_dir,
+        prompts,
+        system,
+        max_new_tokens,
+        cfg,
+        chat_template,
+        eos_token_id,
+        sampling_params,
     )
     if model is None:
         model = step.TinyTransformerPaged.from_pretrained(model_dir, **overrides)
-    return serve(step, model, prompts, requests, max_new_tokens, max_running, on_engine)
+    return serve(step, model, prompts, requests, max_running, on_engine, on_output, seed)
 
 
 def serve(
     step: ModuleType,
     model: torch.nn.Module,
-    prompts: list[str],
+    prompts: list[Prompt],
     requests: TextRequests,
-    max_new_tokens: int,
     max_running: int,
     on_engine: Callable[[Any], object] | None = None,
+    on_output: OnOutput | None = None,
+    seed: int = 0,
 ) -> TextResult:
-    """The checked requests through ``step``'s engine, decoded."""
-    engine = step.PagedPrefixCacheEngine(model, max_running=max_running)
+    """The checked requests through ``step``'s engine, round by round, decoded.
+
+    The engine is driven as a server drives it: every request queued with ``add_request``,
+    then ``step()`` until no work is left; each round's ``RequestOutput``s go to ``on_output``
+    as they come, and the last one of each request (``finished``) says why it ended.
+    """
+    engine = step.PagedPrefixCacheEngine(model, max_running=max_running, seed=seed)
     if on_engine is not None:
         on_engine(engine)
-    eos = frozenset(requests.eos)
+    eos = frozenset(requests.eos) or None
+    last: dict[int, RequestOutput] = {}  # each request's latest output, by prompt index
     start = time.perf_counter()
     with torch.inference_mode():
-        raw = engine.generate(requests.prompt_ids, max_new_tokens, eos or None)
+        index = {
+            engine.add_request(ids, None, eos, sampling_params=params): i
+            for i, (ids, params) in enumerate(zip(requests.prompt_ids, requests.sampling_params))
+        }
+        while engine.has_work:
+            for output in engine.step():
+                last[index[output.request_id]] = output
+                if on_output is not None:
+                    on_output(index[output.request_id], output)
     seconds = time.perf_counter() - start
-    output_ids = [strip_eos(ids, eos) for ids in raw]
-    outputs = [requests.tokenizer.decode(ids, skip_special_tokens=True) for ids in output_ids]
+    finals = [last[i] for i in range(len(prompts))]
+    output_ids = [answer_ids(output) for output in finals]
+    decode = text_decoder(requests.tokenizer)
     return TextResult(
         prompts,
-        outputs,
+        [decode(ids) for ids in output_ids],
         requests.prompt_ids,
         output_ids,
         engine.stats,
@@ -348,6 +460,7 @@ def serve(
         list(requests.eos),
         requests.system_tokens,
         requests.chat_template,
+        [str(output.finish_reason) for output in finals],
     )
 
 
@@ -364,9 +477,70 @@ def model_dir_arg(text: str) -> str:
     return text
 
 
+def number_in(
+    low: float, high: float | None = None, low_open: bool = False
+) -> Callable[[str], float]:
+    """A float type that refuses values outside ``[low, high]`` (``(low, high]`` with
+    ``low_open``), and ``nan`` and ``inf``, which float() accepts."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        too_low = value <= low if low_open else value < low
+        if too_low or (high is not None and value > high):
+            where = f"> {low:g}" if low_open else f">= {low:g}"
+            where += "" if high is None else f" and <= {high:g}"
+            raise argparse.ArgumentTypeError(f"must be {where}, got {text}")
+        return value
+
+    return parse
+
+
+def read_text_arg(name: str) -> str:
+    """The text of file ``name``, or of stdin for ``-``; a file that cannot be read is the
+    flag's error (one line), not a traceback."""
+    if name == "-":
+        return sys.stdin.read()
+    try:
+        return Path(name).expanduser().read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise argparse.ArgumentTypeError(f"{name}: not UTF-8 text") from None
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{name}: {exc.strerror or exc}") from None
+
+
+def prompt_file(name: str) -> list[str]:
+    """``--prompt-file``: one prompt per line of the file (``-``: stdin); empty lines are
+    skipped, and a file without a prompt is refused."""
+    lines = read_text_arg(name).splitlines()
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise argparse.ArgumentTypeError(f"{name}: no prompt in it (one prompt per line)")
+    return prompts
+
+
+def messages_file(name: str) -> list[dict[str, str]]:
+    """``--messages``: a conversation, a JSON list of ``{"role": ..., "content": ...}``
+    (``-``: read from stdin), checked here: a file the chat template could not take is
+    refused before anything loads."""
+    try:
+        messages = json.loads(read_text_arg(name))
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{name}: not valid JSON ({exc})") from None
+    try:
+        return check_messages(messages)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{name}: {exc}") from None
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """``--model DIR``, ``--system TEXT``, ``--prompt TEXT`` (repeatable) and
-    ``--no-chat-template``."""
+    """``--model DIR``, the requests (``--system TEXT``, ``--prompt TEXT`` (repeatable),
+    ``--prompt-file FILE``, ``--messages FILE``), ``--no-chat-template``, ``--max-model-len``,
+    ``--stream`` and the sampling flags (``--temperature``, ``--top-p``, ``--top-k``)."""
     parser.add_argument(
         "--model",
         type=model_dir_arg,
@@ -397,6 +571,120 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         "checkpoint's max_position_embeddings. More is allowed, at your own risk: the model "
         "never saw those positions",
     )
+    parser.add_argument(
+        "--prompt-file",
+        type=prompt_file,
+        metavar="FILE",
+        help="with --model: one prompt per line of FILE (- reads stdin), empty lines skipped; "
+        "after the --prompt ones, if any",
+    )
+    parser.add_argument(
+        "--messages",
+        type=messages_file,
+        action="append",
+        metavar="FILE",
+        help='with --model: a conversation to continue, a JSON list of {"role": ..., '
+        "\"content\": ...} (multi-turn, ending with the user's), written in the checkpoint's "
+        "chat template; repeat it for several. Instead of --prompt, --prompt-file and --system",
+    )
+    parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="with --model: print each answer as it grows, token by token; several answers "
+        "come one after the other, in the order of the prompts (the ones behind are served "
+        "meanwhile and catch up at once)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=number_in(0),
+        default=0.0,
+        metavar="T",
+        help="with --model: 0 takes the most likely token (greedy); above 0, tokens are drawn, "
+        "more freely the higher T (--seed seeds the draws)",
+    )
+    parser.add_argument(
+        "--top-p",
+        type=number_in(0, 1, low_open=True),
+        default=1.0,
+        metavar="P",
+        help="with --model and --temperature > 0: draw among the most likely tokens whose "
+        "probabilities add up to P (1: all)",
+    )
+    parser.add_argument(
+        "--top-k",
+        type=int_range(-1),
+        default=0,
+        metavar="K",
+        help="with --model and --temperature > 0: draw among the K most likely tokens "
+        "(0 or -1: all)",
+    )
+
+
+# The flags only the text front end reads, with their defaults: given without --model, the
+# demo refuses them rather than ignore them.
+TEXT_ONLY_FLAGS = {
+    "prompt_file": None,
+    "messages": None,
+    "stream": False,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "top_k": 0,
+}
+
+
+def check_text_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The combinations of the text flags, checked with the other flags (``parser.error``:
+    one line, exit 2), before anything loads. Without ``--model`` the text-only flags are
+    refused (a value equal to the default cannot be told from none, and changes nothing)."""
+    if args.model is None:
+        given = [
+            name for name, default in TEXT_ONLY_FLAGS.items() if getattr(args, name) != default
+        ]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            parser.error(
+                f"{flag} needs --model DIR (a checkpoint's text): the demo serves its own "
+                "requests, greedily"
+            )
+        return
+    if args.messages:
+        others = [
+            flag
+            for flag, value in (
+                ("--prompt", args.prompt),
+                ("--prompt-file", args.prompt_file),
+                ("--system", args.system),
+            )
+            if value
+        ]
+        if others:
+            parser.error(
+                f"--messages and {others[0]} do not go together: a conversation carries its own "
+                "messages (put the system prompt in it, as its first message)"
+            )
+        if args.no_chat_template:
+            parser.error("--messages is written in the chat template: drop --no-chat-template")
+
+
+def sampling_params_from(args: argparse.Namespace) -> SamplingParams:
+    """The flags as one ``SamplingParams`` for every request. No seed of its own: each request
+    draws one from the engine's seed (``--seed``), so two requests for the same prompt may
+    differ, and the run as a whole is repeatable."""
+    return SamplingParams(
+        max_tokens=getattr(args, "max_new_tokens", None) or DEFAULT_MAX_NEW_TOKENS,
+        temperature=getattr(args, "temperature", 0.0),
+        top_p=getattr(args, "top_p", 1.0),
+        top_k=getattr(args, "top_k", 0),
+    )
+
+
+def requests_from(args: argparse.Namespace) -> list[Prompt]:
+    """What to serve: the ``--messages`` conversations, or the ``--prompt``s then the
+    ``--prompt-file``'s lines; none of them: the example prompt."""
+    if getattr(args, "messages", None):
+        return list(args.messages)
+    prompts = [*(args.prompt or []), *(getattr(args, "prompt_file", None) or [])]
+    return prompts or [EXAMPLE_PROMPT]
 
 
 def kv_bytes_per_block(cfg: ModelConfig, kv_heads: int | None = None) -> int:
@@ -424,17 +712,26 @@ def describe(cfg: ModelConfig) -> list[str]:
 def print_result(result: TextResult, system: str | None) -> None:
     """The answers, then the prefix cache's figures (and why nothing could hit, when the
     shared system prompt is shorter than one block)."""
-    s = result.stats
+    print_system(system, result.system_tokens)
+    reasons = result.finish_reasons or [None] * len(result.outputs)
+    for i, (prompt, output, ids, reason) in enumerate(
+        zip(result.prompts, result.outputs, result.output_ids, reasons)
+    ):
+        print(answer_head(i + 1, prompt) + output + answer_tail(len(ids), reason), end="")
+    print_summary(result, system)
+
+
+def print_system(system: str | None, system_tokens: int) -> None:
+    """The shared system prompt, before the answers (before they stream, with ``--stream``)."""
     if system is not None:
         print(
-            f"system prompt: {system!r} ({plural(result.system_tokens, 'token')}, shared by "
-            "every request)"
+            f"system prompt: {system!r} ({plural(system_tokens, 'token')}, shared by every request)"
         )
-    for i, (prompt, output, ids) in enumerate(
-        zip(result.prompts, result.outputs, result.output_ids)
-    ):
-        print(f"\n[{i + 1}] {prompt}")
-        print(f"  -> {output}  ({plural(len(ids), 'token')})")
+
+
+def print_summary(result: TextResult, system: str | None) -> None:
+    """After the answers: what the prefix cache did, and the time."""
+    s = result.stats
     new_tokens = sum(len(ids) for ids in result.output_ids)
     print(
         f"\nprefix cache: {s.requests_hit}/{s.requests} requests hit, "
@@ -469,12 +766,14 @@ def run_text(
     args: argparse.Namespace,
     on_engine: Callable[[Any], object] | None = None,
 ) -> int:
-    """What ``run.py --model DIR`` does: check, load, serve ``--prompt``s behind ``--system``,
-    print. A problem with the checkpoint or a request is one ``error:`` line on stderr and
-    exit status 1 (a traceback is left for bugs).
+    """What ``run.py --model DIR`` does: check, load, serve ``--prompt``s behind ``--system``
+    (or ``--messages`` conversations), print (``--stream``: as the answers grow). A problem
+    with the checkpoint or a request is one ``error:`` line on stderr and exit status 1 (a
+    traceback is left for bugs).
 
     Reads ``args.model``, ``args.prompt``, ``args.system``, ``args.no_chat_template`` and,
-    when the parser has them, ``device``, ``dtype``, ``block_size``, ``total_blocks``,
+    when the parser has them, ``prompt_file``, ``messages``, ``stream``, ``temperature``,
+    ``top_p``, ``top_k``, ``seed``, ``device``, ``dtype``, ``block_size``, ``total_blocks``,
     ``max_new_tokens``, ``max_running``. ``on_engine``: as in ``generate_text``.
     """
     step = load_step(step) if isinstance(step, str) else step
@@ -486,13 +785,16 @@ def run_text(
 def _run_text(
     step: ModuleType, args: argparse.Namespace, on_engine: Callable[[Any], object] | None
 ) -> int:
-    prompts = args.prompt or [EXAMPLE_PROMPT]
-    max_new_tokens = getattr(args, "max_new_tokens", None) or 32
+    prompts = requests_from(args)
+    params = sampling_params_from(args)
     overrides = overrides_from(args)
     cfg = checkpoint_config(args.model, **overrides)
     use_template = not getattr(args, "no_chat_template", False)
-    requests = prepare_requests(args.model, prompts, args.system, max_new_tokens, cfg, use_template)
-    if not args.prompt:  # said once the checkpoint and the request are known to be sound
+    requests = prepare_requests(
+        args.model, prompts, args.system, None, cfg, use_template, sampling_params=params
+    )
+    asked = args.prompt or getattr(args, "prompt_file", None) or getattr(args, "messages", None)
+    if not asked:  # said once the checkpoint and the request are known to be sound
         print(f"no --prompt given: completing {EXAMPLE_PROMPT!r} (--prompt TEXT asks your own)")
     start = time.perf_counter()
     model = step.TinyTransformerPaged.from_pretrained(args.model, **overrides)
@@ -501,7 +803,40 @@ def _run_text(
         print(f"  {line}")
     if requests.chat_template is not None:
         print(f"  chat template: {requests.chat_template} (--no-chat-template: plain completion)")
-    max_running = getattr(args, "max_running", None) or 8
-    result = serve(step, model, prompts, requests, max_new_tokens, max_running, on_engine)
-    print_result(result, args.system)
+    if not params.greedy:
+        print(f"  sampling: {describe_sampling(params, getattr(args, 'seed', 0))}")
+    serve_and_print(step, model, prompts, requests, args, on_engine)
     return 0
+
+
+def serve_and_print(
+    step: ModuleType,
+    model: torch.nn.Module,
+    prompts: list[Prompt],
+    requests: TextRequests,
+    args: argparse.Namespace,
+    on_engine: Callable[[Any], object] | None,
+) -> None:
+    """Serve, and print the answers once all are done or, with ``--stream``, as they grow:
+    the same lines either way."""
+    max_running = getattr(args, "max_running", None) or 8
+    seed = getattr(args, "seed", 0)
+    if not getattr(args, "stream", False):
+        result = serve(step, model, prompts, requests, max_running, on_engine, seed=seed)
+        print_result(result, args.system)
+        return
+    print_system(args.system, requests.system_tokens)
+    printer = StreamPrinter(text_decoder(requests.tokenizer), prompts)
+    result = serve(step, model, prompts, requests, max_running, on_engine, printer, seed)
+    print_summary(result, args.system)
+
+
+def describe_sampling(params: SamplingParams, seed: int) -> str:
+    """The banner's line about a sampled run: what is drawn from, and the seed that repeats
+    it."""
+    among = [f"temperature {params.temperature:g}"]
+    if params.top_k:
+        among.append(f"top_k {params.top_k}")
+    if params.top_p < 1:
+        among.append(f"top_p {params.top_p:g}")
+    return f"{', '.join(among)}; seed {seed} (--seed N repeats a run, in every step)"
