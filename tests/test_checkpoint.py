@@ -53,13 +53,8 @@ from common.checkpoint import config_from_hf, eos_token_ids, load_checkpoint
 from common.config import ModelConfig, preset
 from common.errors import CheckpointError
 from common.front.hf import default_max_positions, hf_llama
-from common.front.text import (
-    add_model_args,
-    encode_prompts,
-    generate_text,
-    load_tokenizer,
-    run_text,
-)
+from common.front.text import encode_prompts, generate_text, load_tokenizer
+from common.front.text_cli import add_model_args, run_text
 from tests.helpers import STEP_NAMES, edit_json
 from tests.toy_checkpoint import CFG, VOCAB, WORDS, word_tokenizer
 

@@ -45,7 +45,7 @@ from bench.harness import RunResult, StepRunner, Workload
 from common.config import ModelConfig, preset
 from common.front import demo
 from common.front.cli import plural
-from common.front.text import describe, short_system_note
+from common.front.text_cli import describe, short_system_note
 from tests.helpers import STEP_NAMES, edit_json, run_python, usage_error
 
 ROOT = Path(__file__).resolve().parent.parent

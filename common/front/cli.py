@@ -12,6 +12,7 @@ of surfacing minutes later as a traceback (or, worse, as a negative tokens/s).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import tempfile
 from collections.abc import Callable
@@ -147,3 +148,26 @@ def add_memory_check_flag(parser: argparse.ArgumentParser) -> None:
         help="do not compare the KV pool and the weights with the memory available before "
         f"allocating them (the same as {SKIP_ENV}=1)",
     )
+
+
+def number_in(
+    low: float, high: float | None = None, low_open: bool = False
+) -> Callable[[str], float]:
+    """A float type that refuses values outside ``[low, high]`` (``(low, high]`` with
+    ``low_open``), and ``nan`` and ``inf``, which float() accepts."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        too_low = value <= low if low_open else value < low
+        if too_low or (high is not None and value > high):
+            where = f"> {low:g}" if low_open else f">= {low:g}"
+            where += "" if high is None else f" and <= {high:g}"
+            raise argparse.ArgumentTypeError(f"must be {where}, got {text}")
+        return value
+
+    return parse

@@ -47,7 +47,7 @@ from .cli import (
     why_unwritable,
 )
 from .steps import load_step
-from .text import add_model_args, check_text_args, run_text
+from .text_cli import add_model_args, check_text_args, run_text
 from .trace import RoundTrace, RoundTracer, format_trace, trace_header
 from .workload import demo_prompts
 
