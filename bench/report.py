@@ -247,6 +247,23 @@ def phases(seconds: dict[str, float]) -> str:
     return line
 
 
+def saved_run_head(
+    cfg: ModelConfig, workload: dict, omit: tuple[str, ...] = (), **settings: object
+) -> dict[str, object]:
+    """The first keys of every saved run: when, on what, and with which workload and model
+    (less the model fields in ``omit``, which vary by cell); ``settings`` adds the rest of what
+    the run was told."""
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": machine(),
+        "settings": {
+            "workload": workload,
+            "model": {k: str(v) for k, v in asdict(cfg).items() if k not in omit},
+            **settings,
+        },
+    }
+
+
 def machine() -> dict[str, object]:
     """What a saved run was measured on: the platform, the versions, torch's thread count."""
     return {

@@ -41,7 +41,7 @@ from common.reference import ReferenceModel, reference_generate
 
 from .costs import wait_for
 from .progress import Progress
-from .report import machine
+from .report import saved_run_head
 
 REQUESTS, CACHED = "requests", "cached"
 CELL = 18  # characters per column of the tables
@@ -276,12 +276,7 @@ def save(out: str, cfg: ModelConfig, workload: ScaleWorkload, cells: list[Cell])
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     data = {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": machine(),
-        "settings": {
-            "workload": asdict(workload),
-            "model": {k: str(v) for k, v in asdict(cfg).items() if k != "total_blocks"},
-        },
+        **saved_run_head(cfg, asdict(workload), omit=("total_blocks",)),
         "cells": [{k: v for k, v in asdict(cell).items() if k != "outputs"} for cell in cells],
     }
     path = folder / "scale.json"

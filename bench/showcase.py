@@ -47,6 +47,7 @@ from .hf import hf_runner
 from .progress import Progress
 from .rows import Row
 from .scale import ScaleWorkload, run_scale_bench
+from .serving import SERVING, ServingWorkload, run_serving_bench
 
 PROG = "python -m bench"
 
@@ -82,6 +83,13 @@ and as the cache already holds more blocks (--sweep-cached, served --sweep-reque
 count of requests). Every block operation is O(1), so every row stays flat; the last column
 is the growth from the smallest size to the largest. Results go to --out: scale.json, and
 scale.png when matplotlib is installed.
+
+--workload serving: what a user waiting for an answer sees. Requests arrive over time (a
+seeded Poisson process at --request-rate per second, vLLM's benchmark_serving shape), each a
+shared prefix + tokens of its own; every step serves them with the prefix cache on and off,
+and the last step once more one request at a time (max_running 1). The table gives each
+cell's time to first token (TTFT) and time per output token (TPOT), p50 and p99 over the
+requests, from the run with the least busy time. Results go to --out: serving.json.
 
 The first row and the Hugging Face row get one untimed warm-up run (one-time setup). Each row
 shows its fastest run (min s: the work is the same every run, so a slower run only
@@ -130,6 +138,8 @@ def unused_because(flag: str, workload: str) -> str:
     """Why ``workload`` does not read ``flag``."""
     if flag.startswith("--sweep-"):
         return "only --workload scale reads it"
+    if flag == "--request-rate":
+        return "only --workload serving reads it"
     if workload == SCALE and flag in ("--requests", "--total-blocks"):
         return "--workload scale sizes its own runs (--sweep-requests, --sweep-cached)"
     return f"--workload {workload} draws its own prompts (no shared prefix)"
@@ -139,8 +149,20 @@ class PerWorkload:
     """A flag's default that depends on ``--workload``; ``--help`` shows each. A value still of
     this type after parsing was not given on the command line."""
 
-    def __init__(self, shared_prefix: object, pressure: object, scale: object, none: str = ""):
-        self.values = {SHARED_PREFIX: shared_prefix, PRESSURE: pressure, SCALE: scale}
+    def __init__(
+        self,
+        shared_prefix: object,
+        pressure: object,
+        scale: object,
+        serving: object,
+        none: str = "",
+    ) -> None:
+        self.values = {
+            SHARED_PREFIX: shared_prefix,
+            PRESSURE: pressure,
+            SCALE: scale,
+            SERVING: serving,
+        }
         self.none = none  # what None means, for --help
 
     def __str__(self) -> str:
@@ -165,43 +187,59 @@ def size_list(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def request_rate(text: str) -> float:
+    """``--request-rate``: requests per second, a number > 0, or ``inf`` (all at once)."""
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of requests per second (or inf: all at once)"
+        ) from None
+    if not rate > 0:  # nan too
+        raise argparse.ArgumentTypeError(f"must be > 0 (or inf: all at once), got {text!r}")
+    return rate
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The flags, every value checked here: a bad one exits 2 with one ``error:`` line."""
     p = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, formatter_class=HelpFormatter)
-    w, pw, sw = Workload(), pressure_workload(), ScaleWorkload()
+    w, pw, sw, vw = Workload(), pressure_workload(), ScaleWorkload(), ServingWorkload()
     p.add_argument(
         "--workload",
-        choices=WORKLOADS,
+        choices=(*WORKLOADS, SERVING),
         default=SHARED_PREFIX,
         help="shared-prefix: requests behind one long prefix, all at once (speed); pressure: "
         "short answers asked with a long --new-tokens in a small pool (memory); scale: time "
-        "per request as the requests and the cache grow (the engine's own cost)",
+        "per request as the requests and the cache grow (the engine's own cost); serving: "
+        "requests arriving over time, time to first token and per output token (latency)",
     )
     p.add_argument(
         "--requests",
         type=positive_int,
-        default=PerWorkload(w.num_requests, pw.num_requests, UNUSED),
+        default=PerWorkload(w.num_requests, pw.num_requests, UNUSED, vw.num_requests),
         metavar="N",
         help="requests",
     )
     p.add_argument(
         "--prefix-len",
         type=non_negative_int,
-        default=PerWorkload(w.prefix_len, UNUSED, UNUSED),
+        default=PerWorkload(w.prefix_len, UNUSED, UNUSED, vw.prefix_len),
         metavar="N",
         help="tokens of the prefix every request shares",
     )
     p.add_argument(
         "--tail-len",
         type=non_negative_int,
-        default=PerWorkload(w.tail_len, UNUSED, UNUSED),
+        default=PerWorkload(w.tail_len, UNUSED, UNUSED, vw.tail_len),
         metavar="N",
         help="tokens of each request's own after the prefix",
     )
     p.add_argument(
         "--new-tokens",
         type=positive_int,
-        default=PerWorkload(w.max_new_tokens, pw.max_new_tokens, sw.max_new_tokens),
+        default=PerWorkload(
+            w.max_new_tokens, pw.max_new_tokens, sw.max_new_tokens, vw.max_new_tokens
+        ),
         metavar="N",
         help="tokens generated per request (max_new_tokens: with pressure, each request stops "
         "at its eos long before)",
@@ -209,7 +247,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--max-running",
         type=non_negative_int,
-        default=PerWorkload(0, pw.max_running, sw.max_running),
+        default=PerWorkload(0, pw.max_running, sw.max_running, vw.max_running),
         metavar="N",
         help="requests the engine runs at once at most (0: all of them, as HF runs them in "
         "one batch)",
@@ -217,14 +255,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--block-size",
         type=positive_int,
-        default=PerWorkload(16, 4, 4),
+        default=PerWorkload(16, 4, 4, 16),
         metavar="N",
         help="tokens per KV block",
     )
     p.add_argument(
         "--total-blocks",
         type=positive_int,
-        default=PerWorkload(None, pw.total_blocks, UNUSED, "room for every request at once"),
+        default=PerWorkload(None, pw.total_blocks, UNUSED, None, "room for every request at once"),
         metavar="N",
         help="KV blocks in the pool; at least what the largest request holds at the end of its "
         "longest life (prompt + new tokens)",
@@ -232,7 +270,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--sweep-requests",
         type=size_list,
-        default=PerWorkload(UNUSED, UNUSED, ",".join(map(str, sw.requests))),
+        default=PerWorkload(UNUSED, UNUSED, ",".join(map(str, sw.requests)), UNUSED),
         metavar="N,N,...",
         help="scale: requests per run of the requests sweep; the first is also the requests "
         "of every run of the cached sweep",
@@ -240,15 +278,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--sweep-cached",
         type=size_list,
-        default=PerWorkload(UNUSED, UNUSED, ",".join(map(str, sw.cached))),
+        default=PerWorkload(UNUSED, UNUSED, ",".join(map(str, sw.cached)), UNUSED),
         metavar="N,N,...",
         help="scale: blocks already in the cache, one run each, in a pool with room for the "
         "running requests only (every allocation evicts once the free pool is gone)",
     )
     p.add_argument(
+        "--request-rate",
+        type=request_rate,
+        default=PerWorkload(UNUSED, UNUSED, UNUSED, vw.request_rate),
+        metavar="R",
+        help="serving: requests per second, arriving as a seeded Poisson process (inf: all "
+        "at once)",
+    )
+    p.add_argument(
         "--model",
         type=model_name,
-        default=PerWorkload("demo", "demo", "toy"),
+        default=PerWorkload("demo", "demo", "toy", "demo"),
         metavar="PRESET|DIR",
         help=f"the model: a config preset ({', '.join(PRESETS)}) or a local Hugging Face Llama "
         "checkpoint directory (its weights; the prompts stay random token ids)",
@@ -294,7 +340,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=writable_folder,
         default="bench/results",
         metavar="DIR",
-        help="folder for results.json and speedups.png (checked before any work)",
+        help="folder for results.json and speedups.png (scale.json and scale.png, "
+        "serving.json) (checked before any work)",
     )
     add_memory_check_flag(p)
     p.add_argument(
@@ -316,7 +363,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if args.model not in PRESETS:
             p.error("--model: --workload scale runs on a preset (the prompts are random ids)")
         return args
-    if args.workload == SHARED_PREFIX and args.prefix_len + args.tail_len == 0:
+    if args.workload in (SHARED_PREFIX, SERVING) and args.prefix_len + args.tail_len == 0:
         p.error("--prefix-len and --tail-len are both 0: a prompt needs at least one token")
     workload = workload_of(args)
     need = workload.largest_request_blocks(args.block_size)
@@ -350,6 +397,16 @@ def is_default(value: object) -> bool:
 
 def workload_of(args: argparse.Namespace) -> Workload:
     """The workload the flags describe (its eos ids, for pressure, come later: ``pick_eos``)."""
+    if args.workload == SERVING:
+        return ServingWorkload(
+            num_requests=args.requests,
+            prefix_len=args.prefix_len,
+            tail_len=args.tail_len,
+            max_new_tokens=args.new_tokens,
+            max_running=args.max_running or args.requests,
+            total_blocks=args.total_blocks,
+            request_rate=args.request_rate,
+        )
     if args.workload == PRESSURE:
         return pressure_workload(
             num_requests=args.requests,
@@ -488,6 +545,8 @@ def run_bench(args: argparse.Namespace) -> int:
     check_workload_memory(args, workload)
     with progress.task(f"loading {args.model}"):
         cfg, weights = load_model(args, workload)
+    if workload.kind == SERVING:
+        return run_serving_bench(args, workload, cfg, weights, progress)
     prompts = workload.prompts(cfg.vocab_size)
     machine_gflops = matmul_gflops(cfg.device)
     print(report.header(cfg, workload, args.repeats, args.model, machine_gflops))

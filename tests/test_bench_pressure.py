@@ -118,12 +118,16 @@ def test_help_names_each_workloads_default(capsys) -> None:
     with pytest.raises(SystemExit):
         showcase.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "(default: 16 for shared-prefix, 24 for pressure, unused for scale)" in text
+    assert (
+        "(default: 16 for shared-prefix, 24 for pressure, unused for scale, 32 for serving)" in text
+    )
     assert (
         "(default: room for every request at once for shared-prefix, 48 for pressure, "
-        "unused for scale)"
+        "unused for scale, room for every request at once for serving)"
     ) in text
-    assert "(default: 256 for shared-prefix, unused for pressure, unused for scale)" in text
+    assert (
+        "(default: 256 for shared-prefix, unused for pressure, unused for scale, 64 for serving)"
+    ) in text
 
 
 # ---- every step on the pressure workload -------------------------------------------------------
