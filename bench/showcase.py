@@ -11,13 +11,13 @@ from contextlib import contextmanager
 
 import torch
 
-from common.config import DTYPES, PRESETS, ModelConfig
+from common.config import PRESETS, ModelConfig
 from common.errors import report_user_errors
 from common.front.cli import (
     HelpFormatter,
+    add_dtype_flag,
     add_memory_check_flag,
     device_name,
-    dtype_name,
     dtype_value,
     non_negative_int,
     positive_int,
@@ -315,12 +315,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="torch CPU threads (0: torch's default, one per core); one keeps a busy machine's "
         "timings steady (README, Benchmarks)",
     )
-    p.add_argument(
-        "--dtype",
-        type=dtype_name,
-        default="float32",
-        help=", ".join(DTYPES) + ", or auto (with --model DIR: the dtype it is stored in)",
-    )
+    add_dtype_flag(p)
     p.add_argument(
         "--steps",
         type=step_list,

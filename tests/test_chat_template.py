@@ -25,7 +25,7 @@ pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, processors
 
 from common.config import Llama3RopeScaling, preset
 from common.errors import UserError
@@ -33,6 +33,7 @@ from common.front.chat import load_chat_template, messages_for
 from common.front.hf import hf_llama
 from common.front.text import common_prefix_len, encode_chat, generate_text, load_tokenizer
 from tests.helpers import edit_json
+from tests.toy_checkpoint import byte_level_bpe
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
@@ -66,16 +67,7 @@ def bpe_tokenizer(add_bos: bool = True) -> Tokenizer:
     """A byte-level BPE tokenizer (as GPT-2, Llama 3 and SmolLM2 use), trained on CORPUS.
     With ``add_bos`` its post-processor puts ``<|endoftext|>`` first, as Llama 3's puts
     ``<|begin_of_text|>``: a chat template that writes the BOS itself must not get two."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 20, trainer)
+    tok = byte_level_bpe(CORPUS, SPECIALS, vocab_size=320)
     if add_bos:
         bos = (SPECIALS[0], tok.token_to_id(SPECIALS[0]))
         tok.post_processor = processors.TemplateProcessing(

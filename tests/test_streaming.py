@@ -36,7 +36,7 @@ pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from common.config import preset
 from common.front import text as text_front
@@ -51,6 +51,7 @@ from common.front.stream import (
 from common.front.text import generate_text, load_tokenizer
 from common.sampling import SamplingParams
 from tests.helpers import STEP_NAMES, SUBPROCESS_TIMEOUT_S, edit_json, usage_error
+from tests.toy_checkpoint import byte_level_bpe
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
@@ -84,17 +85,7 @@ ANSWER = re.compile(
 def bpe_tokenizer() -> Tokenizer:
     """Byte-level BPE, as GPT-2, Llama 3 and SmolLM2 use: every byte is a token, and the
     merges learnt from CORPUS join the bytes of its characters (not of others: "🙃")."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 20, trainer)
-    return tok
+    return byte_level_bpe(CORPUS, SPECIALS, vocab_size=400)
 
 
 def run_main(step_name: str, argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:

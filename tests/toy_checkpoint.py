@@ -7,7 +7,7 @@ embeddings, ``llama3`` RoPE scaling. Import it after ``pytest.importorskip("toke
 
 from __future__ import annotations
 
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from common.config import Llama3RopeScaling, preset
 
@@ -91,4 +91,20 @@ def word_tokenizer() -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tok.add_special_tokens(SPECIAL)
+    return tok
+
+
+def byte_level_bpe(corpus: list[str], specials: list[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE tokenizer, as GPT-2, Llama 3 and SmolLM2 use, trained on ``corpus``:
+    every byte is a token, and the merges learnt join the bytes of the corpus's characters."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus * 20, trainer)
     return tok

@@ -171,3 +171,14 @@ def number_in(
         return value
 
     return parse
+
+
+def add_dtype_flag(parser: argparse.ArgumentParser) -> None:
+    """``--dtype``: one of ``DTYPES``, or ``auto``, a checkpoint's own (checked with the other
+    flags, since ``auto`` needs ``--model DIR``)."""
+    parser.add_argument(
+        "--dtype",
+        type=dtype_name,
+        default="float32",
+        help=", ".join(DTYPES) + ", or auto (with --model DIR: the dtype it is stored in)",
+    )

@@ -37,9 +37,9 @@ from ..reference import ReferenceModel, reference_generate
 from ..stats import EngineStats
 from .cli import (
     HelpFormatter,
+    add_dtype_flag,
     add_memory_check_flag,
     device_name,
-    dtype_name,
     non_negative_int,
     plural,
     positive_int,
@@ -87,12 +87,7 @@ def parse_args(step_name: str, argv: list[str] | None) -> argparse.Namespace:
         prog=f"python -m {step_name}.run", description=DESCRIPTION, formatter_class=HelpFormatter
     )
     p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument(
-        "--dtype",
-        type=dtype_name,
-        default="float32",
-        help=", ".join(DTYPES) + ", or auto (with --model DIR: the dtype it is stored in)",
-    )
+    add_dtype_flag(p)
     p.add_argument(
         "--block-size", type=positive_int, default=16, metavar="N", help="tokens per KV block"
     )
