@@ -182,9 +182,9 @@ def test_what_is_not_an_eos_id_is_refused(bad: object) -> None:
 
 @pytest.fixture(scope="module")
 def text_checkpoint() -> ModuleType:
-    """tests/test_checkpoint.py: its tiny Llama, word-level tokenizer, prompts (skips when
+    """tests/core/test_checkpoint.py: its tiny Llama, word-level tokenizer, prompts (skips when
     transformers, safetensors or tokenizers is missing)."""
-    return pytest.importorskip("tests.test_checkpoint")
+    return pytest.importorskip("tests.core.test_checkpoint")
 
 
 def hf_generate(

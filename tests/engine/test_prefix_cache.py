@@ -27,7 +27,7 @@ from tests.helpers import assert_engine_matches_reference, reference_tokens, tin
 CFG = tiny_config()
 BS = CFG.block_size
 VOCAB = CFG.vocab_size
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass

@@ -28,7 +28,7 @@ from common.front.workload import demo_prompts
 from common.observer import RoundObserver
 from tests.conftest import STEP_NAMES, guard_against_hangs, tiny_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BS = 4
 POOL_LINE = re.compile(
     r"pool: (?P<free>\d+) free, (?P<in_use>\d+) in use \(\d+ cached\), (?P<only>\d+) cached only"

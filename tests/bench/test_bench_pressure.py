@@ -300,7 +300,7 @@ def test_the_pressure_run_end_to_end(tmp_path: Path, capsys) -> None:
 
 def test_the_pressure_workload_is_documented() -> None:
     """docs/benchmarks.md names the workload, the flags and the new columns."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     text = (root / "docs" / "benchmarks.md").read_text()
     for words in ("--workload pressure", "--total-blocks", "`requests/round`", "`preemptions`"):
         assert words in text, words

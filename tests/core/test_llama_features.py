@@ -1,7 +1,7 @@
 """What real Llama checkpoints use beyond the chapter's model: grouped-query attention,
 ``head_dim``, tied embeddings, ``llama3`` RoPE scaling. Exact float64 parity with the dense
 reference for every step, and the pieces on their own (no Hugging Face needed here; the
-outside oracle is ``tests/test_hf_oracle.py``)."""
+outside oracle is ``tests/engine/test_hf_oracle.py``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from common.reference import ReferenceModel
 from common.weights import CheckpointError, make_state_dict
 from tests.helpers import reference_model, tiny_config
 
-F64_REL_TOL = 1e-9  # as in tests/test_model.py: only summation order differs
+F64_REL_TOL = 1e-9  # as in tests/engine/test_model.py: only summation order differs
 LLAMA3 = Llama3RopeScaling(4.0, 1.0, 4.0, 32)
 
 FEATURES: dict[str, dict[str, object]] = {

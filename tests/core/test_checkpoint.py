@@ -24,7 +24,7 @@ checkpoint goes through ``--model DIR`` of ``python -m bench`` and of every step
   together with pool overrides, and a model of another shape.
 
 What a command prints when it cannot serve a checkpoint (one ``error:`` line) is in
-``tests/test_bad_input.py``; the chat template in ``tests/test_chat_template.py``.
+``tests/front/test_bad_input.py``; the chat template in ``tests/front/test_chat_template.py``.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import pytest
 
 from common.front.steps import STEPS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_tool() -> ModuleType:

@@ -17,8 +17,8 @@ interpreter's own start-up does not count; the model load is also made to fail l
 "before" cannot mean "fast enough on a small model"), and so does a request the pool cannot
 hold.
 
-A bad flag value (argparse's usage, one ``error:`` line, exit 2) is in ``tests/test_cli.py``;
-the checkpoint loader's refusals, called in-process, in ``tests/test_checkpoint.py``.
+A bad flag value (argparse's usage, one ``error:`` line, exit 2) is in ``tests/front/test_cli.py``;
+the checkpoint loader's refusals, called in-process, in ``tests/core/test_checkpoint.py``.
 """
 
 from __future__ import annotations
@@ -330,7 +330,7 @@ BROKEN: dict[str, Callable[[Path], None]] = {
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A sound checkpoint (byte-level BPE tokenizer that adds no BOS, as GPT-2's, chat
     template, GQA, tied embeddings, llama3 RoPE) and one broken copy per entry of BROKEN."""
-    chat = pytest.importorskip("tests.test_chat_template")
+    chat = pytest.importorskip("tests.front.test_chat_template")
     root = tmp_path_factory.mktemp("user-errors")
     sound = chat.save_chat_checkpoint(root / "sound", add_bos=False)
     folders = {"sound": sound}

@@ -31,7 +31,7 @@ from bench import report, showcase
 from bench.harness import RunResult
 from common.front.steps import STEPS, available_steps, load_step
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 PAGES = [README, *sorted(DOCS.glob("*.md"))]

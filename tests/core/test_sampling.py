@@ -22,8 +22,8 @@ import torch
 from common.front.steps import load_step
 from common.reference import reference_generate
 from common.sampling import SamplingParams, filter_logits, sample
+from tests.engine.test_random_scenarios import new_engine, scenario
 from tests.helpers import EngineFactory, reference_model, tiny_config, tokens
-from tests.test_random_scenarios import new_engine, scenario
 
 # ---- SamplingParams: vLLM's names, checked when made -------------------------------------------
 

@@ -6,7 +6,7 @@ block re-hashes the chain up to it. From step14_5 a ``Sequence`` keeps its block
 specification: the hashes it keeps are exactly ``common.hashing``'s, and ``hash_block`` runs
 once per full block, cold or hot; before the fix, the counts are those of the re-hashing.
 
-    python -m pytest tests/test_step14_5_hash_chain.py -k hashed_once -s   # the counts, per step
+    python -m pytest tests/steps/test_step14_5_hash_chain.py -k hashed_once -s   # the counts
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """``python -m bench --workload scale``: time per request as the work and the cache grow.
 
-The figures themselves are timings, so nothing here asserts on them (``tests/test_pool_cost.py``
-pins the O(1) cost by counting instead). What is tested is that the sweep measures what it says:
-the cache really holds the blocks it claims, none of them reachable by a real prompt; every
-cell's tokens are checked against the dense reference and across steps, and a disagreement
-fails the run; the model's time is split off without patching anything; the flags are checked
-before any work; and a small run writes its table, its growth ratios and ``scale.json``.
-"""
+The figures themselves are timings, so nothing here asserts on them
+(``tests/engine/test_pool_cost.py`` pins the O(1) cost by counting instead). What is tested is that
+the sweep measures what it says: the cache really holds the blocks it claims, none of them reachable
+by a real prompt; every cell's tokens are checked against the dense reference and across steps, and
+a disagreement fails the run; the model's time is split off without patching anything; the flags are
+checked before any work; and a small run writes its table, its growth ratios and ``scale.json``."""
 
 from __future__ import annotations
 

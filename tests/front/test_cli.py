@@ -19,8 +19,8 @@ and the text front end with ``--model DIR``), and what they print.
   README and docs show printing no warning.
 
 The parsers are called in-process; subprocesses check the real entry points. A checkpoint
-served through ``--model DIR`` is in ``tests/test_checkpoint.py``; a checkpoint or request a
-command cannot serve (one ``error:`` line, exit 1) is in ``tests/test_bad_input.py``.
+served through ``--model DIR`` is in ``tests/core/test_checkpoint.py``; a checkpoint or request a
+command cannot serve (one ``error:`` line, exit 1) is in ``tests/front/test_bad_input.py``.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from common.front.cli import plural
 from common.front.text_cli import describe, short_system_note
 from tests.helpers import STEP_NAMES, edit_json, run_python, usage_error
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FIRST_RUN = importlib.import_module(f"{STEP_NAMES[0]}.run")
 LAST_RUN = importlib.import_module(f"{STEP_NAMES[-1]}.run")
 
@@ -147,7 +147,7 @@ def test_bad_out_fails_before_any_work(monkeypatch: pytest.MonkeyPatch, capsys) 
 @pytest.mark.usefixtures("no_work")
 def test_bench_model_directory_needs_a_config_json(tmp_path, capsys) -> None:
     """A folder that is not a checkpoint is refused by the --model type, before any work (a
-    real checkpoint runs: tests/test_checkpoint.py)."""
+    real checkpoint runs: tests/core/test_checkpoint.py)."""
     line = usage_error(showcase.main, ["--model", str(tmp_path)], capsys)
     assert "is neither a preset" in line and "no config.json" in line
 
@@ -620,7 +620,7 @@ RUN = "step14_7.run"
 def llama32_style(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Llama 3.2's RoPE (llama3 scaling of an 8192-token original context, 32x, declared
     max_position_embeddings 131072), bf16 weights and eos [<|im_end|>, <|endoftext|>]."""
-    chat = pytest.importorskip("tests.test_chat_template")
+    chat = pytest.importorskip("tests.front.test_chat_template")
     from common.config import Llama3RopeScaling
 
     folder = tmp_path_factory.mktemp("llama32") / "ckpt"

@@ -76,7 +76,7 @@ CONVERSATION = [
     {"role": "assistant", "content": "Très élégant: à München 🙂"},
     {"role": "user", "content": "你好，世界。今天天气很好?"},
 ]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ANSWER = re.compile(
     r"\n\[(\d+)\] (.*?)\n  -> (.*?)  \((\d+) tokens?, finish_reason=(\w+)\)\n", re.DOTALL
 )
