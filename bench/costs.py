@@ -122,11 +122,11 @@ def counting(engine: object) -> Iterator[TokenWork]:
     back).
     """
     counter = TokenCounter()
-    engine.set_observer(counter)
+    engine.add_observer(counter)
     try:
         yield counter.work
     finally:
-        engine.set_observer(None)
+        engine.remove_observer(counter)
 
 
 def matmul_gflops(device: str = "cpu", n: int = MATMUL_N, repeats: int = 10) -> float:

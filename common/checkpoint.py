@@ -183,7 +183,7 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     fields["seed"] = None
     # The positions the model was trained on: a longer request is refused (max_model_len=
     # raises it, at the user's risk, as vLLM's --max-model-len does).
-    fields["max_model_len"] = hf.get("max_position_embeddings")
+    fields["max_model_len"] = fields["max_position_embeddings"] = hf.get("max_position_embeddings")
     try:
         cfg = ModelConfig(**fields)
     except ValueError as exc:
@@ -249,9 +249,9 @@ def eos_token_ids(path: str | Path) -> list[int]:
 
 
 def max_position_embeddings(path: str | Path) -> int | None:
-    """``config.json``'s ``max_position_embeddings`` (None when absent). The engine ignores it
-    (the KV pool decides how long a sequence can be), but a Hugging Face model built on the
-    same checkpoint wants the checkpoint's own value."""
+    """``config.json``'s ``max_position_embeddings`` (None when absent), read without building
+    a config: ``ModelConfig.max_position_embeddings`` holds the same, and ``max_model_len``
+    starts from it."""
     value = read_json(checkpoint_dir(path) / CONFIG_FILE).get("max_position_embeddings")
     return int(value) if value is not None else None
 

@@ -70,8 +70,9 @@ class ModelConfig:
     multi-head attention; ``head_dim`` defaults to ``d_model // num_heads``. Both are resolved
     when the config is built, and re-derived by ``replace`` unless they were given explicitly.
     ``seed=None`` builds a model without weights, for a loader to fill (``from_pretrained``).
-    ``max_model_len`` is the longest a request may be, prompt + max_new_tokens (vLLM's name): a
-    checkpoint's ``max_position_embeddings``, the positions it was trained on; None, no limit.
+    ``max_model_len`` is the longest a request may be, prompt + max_new_tokens (vLLM's name);
+    None, no limit. A checkpoint sets it to its ``max_position_embeddings``, the positions it
+    was trained on, kept beside it so that a caller who raises the limit can be told so.
     """
 
     vocab_size: int = 1024
@@ -91,6 +92,7 @@ class ModelConfig:
     device: str = "cpu"
     seed: int | None = 0
     max_model_len: int | None = None
+    max_position_embeddings: int | None = None  # a checkpoint's trained positions, if known
 
     def __post_init__(self) -> None:
         # Which of _DERIVED were left to their default, so that replace() derives them again.
@@ -117,8 +119,11 @@ class ModelConfig:
             "block_size",
             "total_blocks",
         )
-        if self.max_model_len is not None:
-            positive += ("max_model_len",)
+        positive += tuple(
+            name
+            for name in ("max_model_len", "max_position_embeddings")
+            if getattr(self, name) is not None
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")

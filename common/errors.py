@@ -29,7 +29,25 @@ class CheckpointError(UserError, ValueError):
 
 
 class RequestError(UserError, ValueError):
-    """A request that cannot be served: empty once tokenized, or larger than the KV pool."""
+    """A request that cannot be served: a bad parameter, an empty prompt, a request larger than
+    the KV pool. ``param`` names the offending argument (``"prompt_ids"``, ``"max_new_tokens"``,
+    a ``SamplingParams`` field such as ``"temperature"``...), so that a caller such as the
+    server maps it onto its own field without reading the message."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ContextLengthError(RequestError):
+    """A request longer than the model's context: prompt + max tokens past ``max_model_len``
+    (vLLM's check; an OpenAI server answers it with 400 and the numbers)."""
+
+    def __init__(self, message: str, prompt_tokens: int, max_tokens: int, max_model_len: int):
+        super().__init__(message, param="max_new_tokens")
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
 
 
 class ResourceError(UserError, MemoryError):

@@ -1,8 +1,10 @@
 """What a request may be: the input checks of every step's engine, in one place.
 
 ``check_request`` is called once per request, before the request touches the engine: a bad
-one raises ``ValueError`` saying what is wrong, and the engine's state stays as it was (for
-``generate``, all prompts are checked before any is queued: all or nothing).
+one raises ``RequestError`` (a ``ValueError``) saying what is wrong and naming the argument in
+its ``param``, and the engine's state stays as it was (for ``generate``, all prompts are checked
+before any is queued: all or nothing). The two rules about size, ``check_context_length`` and
+``check_fits_pool``, are the ones every front end calls too, before it loads anything.
 """
 
 from __future__ import annotations
@@ -13,14 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from .config import ModelConfig
-from .errors import RequestError
-from .numbers import is_int
+from .errors import ContextLengthError, RequestError
+from .numbers import cdiv, is_int
 from .sampling import SamplingParams
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division (vLLM's ``cdiv``): the blocks that ``a`` tokens fill at ``b`` a block."""
-    return -(-a // b)
 
 
 def blocks_for_request(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
@@ -47,30 +44,43 @@ def check_request(
     cfg: ModelConfig,
     sampling_params: object = None,
 ) -> Request:
-    """The request as plain ints, or ``ValueError`` naming what is wrong with it."""
+    """The request as plain ints, or ``RequestError`` naming what is wrong with it."""
     vocab = cfg.vocab_size
     prompt = as_token_list(prompt_ids)
     if not prompt:
-        raise ValueError("prompt is empty: a request needs at least one token")
+        raise RequestError("prompt is empty: a request needs at least one token", "prompt_ids")
     bad = [t for t in prompt if not 0 <= t < vocab]
     if bad:
-        raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        raise RequestError(
+            f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt_ids"
+        )
     params = as_sampling_params(max_new_tokens, sampling_params)
     outside = [t for t in params.stop_token_ids if t >= vocab]
     if outside:
-        raise ValueError(
-            f"SamplingParams.stop_token_ids {outside[:5]} are outside the vocabulary [0, {vocab})"
+        raise RequestError(
+            f"SamplingParams.stop_token_ids {outside[:5]} are outside the vocabulary [0, {vocab})",
+            "stop_token_ids",
         )
     stop = as_eos_ids(eos_token_id, vocab) | frozenset(params.stop_token_ids)
     check_context_length(len(prompt), params.max_tokens, cfg)
-    need = blocks_for_request(len(prompt), params.max_tokens, cfg.block_size)
-    if need > cfg.total_blocks:
-        raise ValueError(
-            f"request needs {need} blocks ({len(prompt)} prompt + {params.max_tokens} new "
-            f"tokens at block_size={cfg.block_size}) but the pool has only "
-            f"{cfg.total_blocks}: it could never run"
-        )
+    check_fits_pool(len(prompt), params.max_tokens, cfg)
     return Request(prompt, params.max_tokens, stop, params)
+
+
+def check_fits_pool(prompt_len: int, max_new_tokens: int, cfg: ModelConfig) -> None:
+    """A request must fit in the KV pool alone, at the end of its longest life: admitted, it
+    could otherwise never finish, however many others were preempted for it."""
+    need = blocks_for_request(prompt_len, max_new_tokens, cfg.block_size)
+    if need <= cfg.total_blocks:
+        return
+    prompt_fits = blocks_for_request(prompt_len, 1, cfg.block_size) <= cfg.total_blocks
+    raise RequestError(
+        f"a request of {prompt_len} prompt + {max_new_tokens} new tokens needs {need} KV "
+        f"blocks of {cfg.block_size} tokens, and the pool has {cfg.total_blocks}: raise "
+        f"total_blocks (--total-blocks) to at least {need}"
+        + (", or lower max_new_tokens (--max-new-tokens)" if prompt_fits else ""),
+        "max_new_tokens" if prompt_fits else "prompt_ids",
+    )
 
 
 def as_sampling_params(max_new_tokens: object, sampling_params: object) -> SamplingParams:
@@ -79,35 +89,52 @@ def as_sampling_params(max_new_tokens: object, sampling_params: object) -> Sampl
     disagree (no default length: vLLM's 16 tokens would surprise a reader of the chapter)."""
     if sampling_params is None:
         if not is_int(max_new_tokens) or max_new_tokens < 1:
-            raise ValueError(
+            raise RequestError(
                 f"max_new_tokens must be an integer >= 1 (or give sampling_params), "
-                f"got {max_new_tokens!r}"
+                f"got {max_new_tokens!r}",
+                "max_new_tokens",
             )
         return SamplingParams(max_tokens=int(max_new_tokens))
     if not isinstance(sampling_params, SamplingParams):
-        raise ValueError(
-            f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}"
+        raise RequestError(
+            f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}",
+            "sampling_params",
         )
     if max_new_tokens is not None:
-        raise ValueError(
+        raise RequestError(
             "give max_new_tokens or sampling_params (its max_tokens), not both: "
-            f"got {max_new_tokens!r} and {sampling_params.max_tokens}"
+            f"got {max_new_tokens!r} and {sampling_params.max_tokens}",
+            "max_new_tokens",
         )
     return sampling_params
 
 
 def check_context_length(prompt_len: int, max_new_tokens: int, cfg: ModelConfig) -> None:
     """A request must fit in the positions the model knows: prompt + max_new_tokens at most
-    ``cfg.max_model_len`` (vLLM's rule; a checkpoint's ``max_position_embeddings``). Past it a
-    model computes, but at positions it was never trained on."""
+    ``cfg.max_model_len`` (vLLM's rule; by default a checkpoint's ``max_position_embeddings``).
+    Past it a model computes, but at positions it was never trained on."""
     limit = cfg.max_model_len
-    if limit is not None and prompt_len + max_new_tokens > limit:
-        raise RequestError(
-            f"a prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} = "
-            f"{prompt_len + max_new_tokens} is past the model's context length of {limit} "
-            f"tokens (max_position_embeddings): shorten the prompt, lower max_new_tokens "
-            f"(--max-new-tokens), or raise max_model_len (--max-model-len) at your own risk"
-        )
+    if limit is None or prompt_len + max_new_tokens <= limit:
+        return
+    raise ContextLengthError(
+        f"a prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} = "
+        f"{prompt_len + max_new_tokens} is past the model's context length of {limit} tokens "
+        f"({context_length_source(cfg)}): shorten the prompt, lower max_new_tokens "
+        f"(--max-new-tokens), or raise max_model_len (--max-model-len)",
+        prompt_len,
+        max_new_tokens,
+        limit,
+    )
+
+
+def context_length_source(cfg: ModelConfig) -> str:
+    """Where ``cfg.max_model_len`` came from, for the message that refuses a request."""
+    trained = cfg.max_position_embeddings
+    if trained is None:
+        return "max_model_len, set by the caller (--max-model-len)"
+    if cfg.max_model_len == trained:
+        return "the checkpoint's max_position_embeddings"
+    return f"max_model_len (--max-model-len); the checkpoint was trained on {trained} positions"
 
 
 def check_requests(
@@ -121,15 +148,17 @@ def check_requests(
     the engine untouched. The checked requests are what the engine queues (a prompt given as
     a one-shot iterator is read once). ``sampling_params``: one for all, or one per prompt."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
-        raise ValueError(
-            f"prompts must be a list of prompts (lists of token ids), got {type(prompts).__name__}"
+        raise RequestError(
+            f"prompts must be a list of prompts (lists of token ids), got {type(prompts).__name__}",
+            "prompts",
         )
     prompts = list(prompts)
     if isinstance(sampling_params, (list, tuple)):
         if len(sampling_params) != len(prompts):
-            raise ValueError(
+            raise RequestError(
                 f"{len(sampling_params)} sampling_params for {len(prompts)} prompts: give one "
-                "for all, or one per prompt"
+                "for all, or one per prompt",
+                "sampling_params",
             )
         per_prompt = list(sampling_params)
     else:
@@ -144,13 +173,16 @@ def as_token_list(prompt_ids: object) -> list[int]:
     """A prompt (a list, tuple, 1-D integer tensor, any iterable of ints) as a list of ints."""
     if isinstance(prompt_ids, torch.Tensor):
         if prompt_ids.dim() != 1 or prompt_ids.is_floating_point() or prompt_ids.is_complex():
-            raise ValueError("a prompt tensor must be 1-D with an integer dtype")
+            raise RequestError("a prompt tensor must be 1-D with an integer dtype", "prompt_ids")
         prompt_ids = prompt_ids.tolist()
     if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Iterable):
-        raise ValueError(f"prompt must be a sequence of token ids, got {type(prompt_ids).__name__}")
+        raise RequestError(
+            f"prompt must be a sequence of token ids, got {type(prompt_ids).__name__}",
+            "prompt_ids",
+        )
     tokens = list(prompt_ids)
     if not all(is_int(t) for t in tokens):
-        raise ValueError("prompt token ids must be integers")
+        raise RequestError("prompt token ids must be integers", "prompt_ids")
     return [int(t) for t in tokens]
 
 
@@ -167,8 +199,9 @@ def as_eos_ids(eos_token_id: object, vocab_size: int) -> frozenset[int]:
     else:
         ids = list(eos_token_id)
     if not all(is_int(t) and 0 <= t < vocab_size for t in ids):
-        raise ValueError(
+        raise RequestError(
             f"eos_token_id must be None, a token id or a collection of token ids in "
-            f"[0, {vocab_size}), got {eos_token_id!r}"
+            f"[0, {vocab_size}), got {eos_token_id!r}",
+            "eos_token_id",
         )
     return frozenset(int(t) for t in ids)

@@ -25,19 +25,35 @@ SKIP_ENV = "PAGED_CACHE_NO_MEMORY_CHECK"
 GIB = 2**30
 
 
+def kv_bytes_per_block(cfg: ModelConfig, kv_heads: int | None = None) -> int:
+    """K and V of one block, every layer: ``block_size`` token slots (``kv_heads``: as if the
+    model had that many K/V heads, to show what grouped-query attention saves)."""
+    return cfg.block_size * cfg.kv_bytes_per_token(kv_heads)
+
+
 def kv_pool_bytes(cfg: ModelConfig) -> int:
     """The paged KV pool of ``cfg``: K and V, every layer, every slot of every block."""
-    return cfg.total_blocks * cfg.block_size * cfg.kv_bytes_per_token()
+    return cfg.total_blocks * kv_bytes_per_block(cfg)
+
+
+def linear_params_per_layer(cfg: ModelConfig) -> int:
+    """Weights of one layer's matmuls: q, k, v, o (k and v shrink with grouped-query attention)
+    and the three of the SwiGLU MLP; the work of a token is twice this many FLOPs."""
+    q_width, kv_width = cfg.num_heads * cfg.d_head, cfg.num_kv_heads * cfg.d_head
+    attention = cfg.d_model * (2 * q_width + 2 * kv_width)  # q_proj + o_proj, k_proj + v_proj
+    return attention + 3 * cfg.d_model * cfg.d_ff
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """The model's parameters: embedding, lm_head (unless tied), and per layer the matmuls and
+    the two norms; then the final norm."""
+    layer = linear_params_per_layer(cfg) + 2 * cfg.d_model
+    vocab = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_word_embeddings else 2)
+    return vocab + cfg.num_layers * layer + cfg.d_model
 
 
 def weight_bytes(cfg: ModelConfig) -> int:
-    """The model's parameters: embedding, lm_head (unless tied), and per layer the four
-    attention projections, the three of the MLP and the two norms; then the final norm."""
-    q_width, kv_width = cfg.num_heads * cfg.d_head, cfg.num_kv_heads * cfg.d_head
-    attention = cfg.d_model * (2 * q_width + 2 * kv_width)
-    layer = attention + 3 * cfg.d_model * cfg.d_ff + 2 * cfg.d_model
-    vocab = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_word_embeddings else 2)
-    return (vocab + cfg.num_layers * layer + cfg.d_model) * cfg.dtype.itemsize
+    return param_count(cfg) * cfg.dtype.itemsize
 
 
 def available_bytes(device: str | torch.device) -> int | None:

@@ -1,4 +1,5 @@
-"""What counts as a number in a request: the checks of ``inputs.py`` and ``sampling.py``."""
+"""Numbers: what counts as one in a request (the checks of ``inputs.py`` and ``sampling.py``),
+and ``cdiv``, the block arithmetic every layer does."""
 
 from __future__ import annotations
 
@@ -32,3 +33,8 @@ def is_number(x: object) -> bool:
     if isinstance(x, bool) or not (is_int(x) or isinstance(x, float)):
         return False
     return math.isfinite(float(x))
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division (vLLM's ``cdiv``): the blocks that ``a`` tokens fill at ``b`` a block."""
+    return -(-a // b)

@@ -6,12 +6,13 @@ to the prefix cache, a request preempted or freed, the cache reset. The trace of
 ``run.py --trace`` (``common/front/trace.py``) and the benchmark's count of the model's work
 are observers; neither changes a line of the engine or replaces any of its methods.
 
-This class is the default observer and ignores everything, so an engine nobody watches pays
-one empty method call per event. A watcher subclasses it, overrides what it needs, and is
-attached with ``engine.set_observer(watcher)``. A method is called *when* its event happens,
-so the watcher may read the engine's state right then (reference counts, block tables); it
-must not change it. (vLLM's ``BlockPool`` has the same kind of hook for its metrics: a
-``KVCacheMetricsCollector`` told of every allocation, access and eviction.)
+This class is the default observer and ignores everything. A watcher subclasses it,
+overrides what it needs, and is attached with ``engine.add_observer(watcher)``
+(``remove_observer`` detaches it); several can watch one engine at once (a server's metrics and
+``--trace``), each told every event in the order they were added (``Observers``). A method is
+called *when* its event happens, so the watcher may read the engine's state right then
+(``engine.snapshot()``); it must not change it. (vLLM's ``BlockPool`` has the same kind of hook
+for its metrics: a ``KVCacheMetricsCollector`` told of every allocation, access and eviction.)
 """
 
 from __future__ import annotations
@@ -65,3 +66,60 @@ class RoundObserver:
 
 
 NO_OBSERVER = RoundObserver()
+
+
+class Observers(RoundObserver):
+    """The watchers of one engine: every event goes to each of them, in the order they were
+    added. With nobody attached an event costs one loop over an empty list."""
+
+    def __init__(self) -> None:
+        self._watchers: list[RoundObserver] = []
+
+    def add(self, watcher: RoundObserver) -> None:
+        if watcher in self._watchers:
+            raise ValueError("this observer is attached already")
+        self._watchers.append(watcher)
+
+    def remove(self, watcher: RoundObserver) -> None:
+        """Detach ``watcher``; ValueError if it is not attached."""
+        self._watchers.remove(watcher)
+
+    def round_started(self) -> None:
+        for w in self._watchers:
+            w.round_started()
+
+    def admitted(self, seq: Seq) -> None:
+        for w in self._watchers:
+            w.admitted(seq)
+
+    def waits(self, seq: Seq) -> None:
+        for w in self._watchers:
+            w.waits(seq)
+
+    def allocated(self, seq: Seq, adopted: list[int], new: list[int], evicted: list[int]) -> None:
+        for w in self._watchers:
+            w.allocated(seq, adopted, new, evicted)
+
+    def scheduled(self, seq: Seq, start: int, num_tokens: int) -> None:
+        for w in self._watchers:
+            w.scheduled(seq, start, num_tokens)
+
+    def cached(self, seq: Seq, block_index: int, taken: bool) -> None:
+        for w in self._watchers:
+            w.cached(seq, block_index, taken)
+
+    def preempted(self, seq: Seq, for_seq: Seq) -> None:
+        for w in self._watchers:
+            w.preempted(seq, for_seq)
+
+    def freed(self, seq: Seq) -> None:
+        for w in self._watchers:
+            w.freed(seq)
+
+    def cache_reset(self, block_ids: list[int]) -> None:
+        for w in self._watchers:
+            w.cache_reset(block_ids)
+
+    def round_ended(self) -> None:
+        for w in self._watchers:
+            w.round_ended()

@@ -23,6 +23,7 @@ from typing import Literal
 
 import torch
 
+from .errors import RequestError
 from .numbers import is_int, is_number
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -38,7 +39,8 @@ class SamplingParams:
     the most likely tokens whose probabilities add up to ``top_p`` (1: all). ``seed``: the
     request's own seed (None: the engine gives it one from its seeded generator).
     ``stop_token_ids``: ids that end the request like eos does (``finish_reason`` "stop").
-    A bad value raises ``ValueError`` naming the field, when the object is made.
+    A bad value raises ``RequestError`` (a ``ValueError``) naming the field in its message and
+    in its ``param``, when the object is made.
     """
 
     max_tokens: int = 16
@@ -62,7 +64,7 @@ class SamplingParams:
         for name, (ok, what) in check.items():
             if not ok:
                 got = getattr(self, name)
-                raise ValueError(f"SamplingParams.{name} must be {what}, got {got!r}")
+                raise RequestError(f"SamplingParams.{name} must be {what}, got {got!r}", name)
         stop = as_stop_ids(self.stop_token_ids)
         set_fields = object.__setattr__  # frozen: normalize once, here
         set_fields(self, "max_tokens", int(self.max_tokens))
@@ -87,6 +89,9 @@ class RequestOutput:
     token_ids: list[int]
     finished: bool
     finish_reason: FinishReason | None  # "stop": eos or a stop id; "length": max_tokens
+    # Prompt tokens whose KV came from the prefix cache instead of the model (vLLM's
+    # ``num_cached_tokens``): what an OpenAI server reports as ``cached_tokens``.
+    num_cached_tokens: int = 0
 
 
 def as_stop_ids(ids: object) -> tuple[int, ...]:
@@ -94,8 +99,9 @@ def as_stop_ids(ids: object) -> tuple[int, ...]:
     ok = not isinstance(ids, (str, bytes)) and isinstance(ids, Iterable)
     ids = list(ids) if ok else ids
     if not ok or not all(is_int(t) and t >= 0 for t in ids):
-        raise ValueError(
-            f"SamplingParams.stop_token_ids must be a list of token ids (ints >= 0), got {ids!r}"
+        raise RequestError(
+            f"SamplingParams.stop_token_ids must be a list of token ids (ints >= 0), got {ids!r}",
+            "stop_token_ids",
         )
     return tuple(int(t) for t in ids)
 

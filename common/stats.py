@@ -24,6 +24,9 @@ class EngineStats:
     resumed_cached_tokens: int = 0  # tokens a resumed sequence got back from the cache
     rounds: int = 0  # rounds that ran at least one sequence
     seqs_scheduled: int = 0  # sequences run, summed over the rounds
+    # The queues now (vLLM's num_running_reqs / num_waiting_reqs: a server's gauges).
+    requests_running: int = 0  # admitted: prefilling or decoding
+    requests_waiting: int = 0  # queued, new or preempted
     # The pool now (evictions and blocks_peak: since the engine was made).
     evictions: int = 0
     blocks_free: int = 0  # in the free pool

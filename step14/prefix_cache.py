@@ -14,6 +14,7 @@ evicting one takes the queue's head, and a hit lifts one out of the middle. The 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -48,8 +49,9 @@ class PrefixCache:
         self._by_block: dict[int, CachedBlock] = {}  # every cached block, by block id
         # The eviction queue: cached blocks no request holds (ref_count 1), least recently
         # used first. A request that holds a block holds the whole chain before it, and lets
-        # go of its blocks tail first (``touch``), so a chain's tail is always ahead of its
-        # head here: the queue's head is a leaf, and evicting it strands no other block.
+        # go of its blocks tail first (``update_eviction_queue``), so a chain's tail is always
+        # ahead of its head here: the queue's head is a leaf, and evicting it strands no other
+        # block.
         self._evictable: OrderedDict[int, CachedBlock] = OrderedDict()
         self.num_evictions = 0
 
@@ -58,6 +60,10 @@ class PrefixCache:
 
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._by_block
+
+    def __iter__(self) -> Iterator[int]:
+        """The cached block ids (what ``engine.snapshot()`` shows a watcher)."""
+        return iter(self._by_block)
 
     @property
     def num_evictable(self) -> int:
@@ -93,7 +99,8 @@ class PrefixCache:
         The first block stored under a hash wins (a request that computed its own copy keeps it
         private). A block whose parent is not cached is not stored either: nothing could ever
         reach it by walking a chain from the start. The request that fills the block holds it,
-        so it does not join the eviction queue until that request lets go (``touch``).
+        so it does not join the eviction queue until that request lets go
+        (``update_eviction_queue``).
         """
         if block_hash in self._by_hash or block_id in self._by_block:
             return False
@@ -112,12 +119,16 @@ class PrefixCache:
             )
         return True
 
-    def touch(self, block_ids: list[int]) -> None:
+    def update_eviction_queue(self, block_ids: list[int]) -> None:
         """A request has just taken or dropped its reference to these blocks: file each cached
         one by its ref_count. Held by a request (a hit adopted it): out of the eviction queue.
         Held by the cache alone (its last request let go): to the queue's tail, most recently
         used, in the order given, so a request lets go of its chain tail first and the tail is
-        evicted before its head. Other blocks are skipped. O(1) per block."""
+        evicted before its head. Other blocks are skipped. O(1) per block.
+
+        vLLM splits this in two: ``BlockPool.touch`` takes one reference more and lifts the
+        block out of its free queue; ``free_blocks`` drops one and, at zero, queues it. Here
+        ``BlockManager`` counts the references, and this method only files the block."""
         for block_id in block_ids:
             entry = self._by_block.get(block_id)
             if entry is None:
@@ -143,7 +154,8 @@ class PrefixCache:
             if victim.num_children:  # only if a caller let go of a chain head first
                 raise RuntimeError(
                     f"block {victim.block_id} is the least recently used but has cached "
-                    "children: let go of a chain tail first (touch(block_table[::-1]))"
+                    "children: let go of a chain tail first "
+                    "(update_eviction_queue(block_table[::-1]))"
                 )
             self._remove(victim)
             self.num_evictions += 1

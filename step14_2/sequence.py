@@ -8,17 +8,11 @@ memory.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum, auto
 
 from common.sampling import GREEDY, FinishReason, SamplingParams
+from common.status import SequenceStatus  # WAITING -> PREFILLING -> RUNNING -> FINISHED
 
-
-class SequenceStatus(Enum):
-    WAITING = auto()  # queued, no blocks yet
-    PREFILLING = auto()  # admitted; prompt being processed one block-sized chunk per round
-    RUNNING = auto()  # prompt done; one decode token per round
-    PREEMPTED = auto()  # its blocks were taken back; queued again, to recompute its tokens
-    FINISHED = auto()  # max_new_tokens reached, an eos produced, or aborted; blocks released
+__all__ = ["Sequence", "SequenceStatus"]
 
 
 @dataclass(eq=False)
@@ -43,6 +37,7 @@ class Sequence:
     prefill_offset: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens adopted from the cache (before any preemption)
     finish_reason: FinishReason | None = None  # why it ended, once FINISHED
 
     @property

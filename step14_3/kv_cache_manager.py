@@ -17,9 +17,10 @@ Each of these moves is also reported to the engine's observer (``common/observer
 from __future__ import annotations
 
 from common import hashing
-from common.inputs import cdiv
 from common.kv_events import KVCacheEvent
+from common.numbers import cdiv
 from common.observer import NO_OBSERVER, RoundObserver
+from common.snapshot import PoolSnapshot
 
 from .block_manager import BlockManager
 from .prefix_cache import PrefixCache
@@ -133,7 +134,7 @@ class KVCacheManager:
         for block_id in computed_blocks:
             self.block_manager.retain(block_id)
         if computed_blocks:  # held by a request now: out of the eviction queue
-            self.prefix_cache.touch(computed_blocks)
+            self.prefix_cache.update_eviction_queue(computed_blocks)
         seq.block_table += computed_blocks
         seq.hit_block_ids += computed_blocks
         new, evicted = self._allocate(missing) if missing > 0 else ([], [])
@@ -158,7 +159,7 @@ class KVCacheManager:
         hits = set(seq.hit_block_ids)
         self.block_manager.free([b for b in seq.block_table if b not in hits])
         if self.prefix_cache is not None:  # cache-only blocks join the eviction queue,
-            self.prefix_cache.touch(seq.block_table[::-1])  # tail first: evicted first
+            self.prefix_cache.update_eviction_queue(seq.block_table[::-1])  # tail first
         self.observer.freed(seq)
         seq.block_table, seq.hit_block_ids = [], []
 
@@ -174,6 +175,21 @@ class KVCacheManager:
             "blocks_used": bm.total_blocks - self.num_available_blocks,
             "blocks_peak": bm.peak_used,
         }
+
+    def snapshot(self, running: list[Sequence], waiting: list[Sequence]) -> PoolSnapshot:
+        """The pool as it is now, with the block tables of the ``running`` and ``waiting``
+        requests: a copy for a watcher (it visits every block; the round loop never calls it)."""
+        bm = self.block_manager
+        refs = {b: bm.ref_count(b) for b in range(bm.total_blocks) if bm.ref_count(b)}
+        return PoolSnapshot(
+            bm.total_blocks,
+            self.block_size,
+            bm.num_free,
+            refs,
+            frozenset(self.prefix_cache) if self.prefix_cache is not None else frozenset(),
+            {seq.seq_id: tuple(seq.block_table) for seq in running},
+            {seq.seq_id: tuple(seq.block_table) for seq in waiting},
+        )
 
     def ref_count_problems(self) -> list[str]:
         """With no request running, every block is free (ref_count 0) or held by the cache

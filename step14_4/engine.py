@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from common.inputs import Request, check_request, check_requests
 from common.kv_events import KVCacheEvent
-from common.observer import NO_OBSERVER, RoundObserver
+from common.observer import Observers, RoundObserver
 from common.sampling import RequestOutput, SamplingParams, sample, with_seed
+from common.snapshot import PoolSnapshot
 from common.stats import EngineStats
 
 from .kv_cache_manager import KVCacheManager
@@ -33,7 +34,19 @@ from .model import TinyTransformerPaged
 from .scheduler import PagedScheduler
 from .sequence import Sequence, SequenceStatus
 
-Work = tuple[Sequence, list[int], int]  # a sequence, the token ids to run, the first one's position
+
+@dataclass
+class ScheduledChunk:
+    """What one sequence computes in a round: a prefill chunk, or its newest token."""
+
+    seq: Sequence
+    token_ids: list[int]
+    start: int  # the position of its first token
+
+    @property
+    def end(self) -> int:
+        """The KV of the sequence's first ``end`` tokens is in the pool once it is computed."""
+        return self.start + len(self.token_ids)
 
 
 class PagedPrefixCacheEngine:
@@ -51,7 +64,8 @@ class PagedPrefixCacheEngine:
             model.cfg.total_blocks, self.block_size, enable_prefix_cache, enable_kv_cache_events
         )
         self.scheduler = PagedScheduler(max_running)
-        self.observer: RoundObserver = NO_OBSERVER
+        self.observer = Observers()  # whoever watches: the trace, a server's metrics
+        self.kv_cache_manager.observer = self.observer
         self._counters = EngineStats()
         self._next_id = 0
         self._outputs: dict[int, list[int]] = {}
@@ -79,16 +93,20 @@ class PagedPrefixCacheEngine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        """A request is queued or running, or an abort waits for ``step()`` to report it: a
+        ``while engine.has_work: engine.step()`` loop sees every request end."""
+        return self.scheduler.has_work or bool(self._aborted)
 
     def step(self) -> list[RequestOutput]:
         """One round of continuous batching: one model call per scheduled sequence. Returns
         the round's outputs: one per request that produced a token or ended."""
         scheduled, sampled = [], []
-        for seq, chunk, start in self._schedule():
-            logits = self.model(chunk, seq.block_table, start)
-            self.kv_cache_manager.cache_blocks(seq, start + len(chunk))  # its KV is in the pool
-            if self._samples_now(seq, start + len(chunk)):
+        for work in self._schedule():
+            seq = work.seq
+            logits = self.model(work.token_ids, seq.block_table, work.start)
+            self.kv_cache_manager.cache_blocks(seq, work.end)  # its KV is in the pool
+            self._computed(work)
+            if self._samples(seq):
                 seq.append_token(self._sample(logits[-1:], [seq])[0])
                 sampled.append(seq)
             scheduled.append(seq)
@@ -123,9 +141,10 @@ class PagedPrefixCacheEngine:
 
     def abort(self, request_id: int) -> list[int]:
         """Cancel a queued or running request at once: its blocks go back (full ones stay
-        cached) and nothing more is generated. Returns the ids generated so far (the next
-        ``step`` reports its end, finish_reason "abort"); KeyError if the request is not
-        queued or running."""
+        cached) and nothing more is generated. Returns the ids generated so far; KeyError if
+        the request is not queued or running. The next ``step()`` reports its end
+        (finish_reason "abort"), and ``has_work`` stays True until it has, even when it was
+        the last request."""
         seq = self.scheduler.remove(request_id)
         self.kv_cache_manager.free(seq)
         seq.abort()
@@ -146,11 +165,18 @@ class PagedPrefixCacheEngine:
         ``enable_kv_cache_events=True``; otherwise always empty."""
         return self.kv_cache_manager.take_events()
 
-    def set_observer(self, observer: RoundObserver | None) -> None:
-        """Tell ``observer`` every event of every round from now on (``common/observer.py``:
-        the trace is one); None: nobody, the default."""
-        self.observer = observer or NO_OBSERVER
-        self.kv_cache_manager.observer = self.observer
+    def add_observer(self, observer: RoundObserver) -> None:
+        """Tell ``observer`` every event of every round from now on (``common/observer.py``),
+        besides whoever watches already: the trace and a server's metrics can watch together."""
+        self.observer.add(observer)
+
+    def remove_observer(self, observer: RoundObserver) -> None:
+        """Stop telling ``observer``; ValueError if it was not attached."""
+        self.observer.remove(observer)
+
+    def snapshot(self) -> PoolSnapshot:
+        """The pool now, and who holds which block: a copy for a watcher to read."""
+        return self.kv_cache_manager.snapshot(self.scheduler.running, list(self.scheduler.waiting))
 
     def pop_output(self, request_id: int) -> list[int]:
         """The generated ids of a finished request, handed out once (``add_request`` + ``step``
@@ -161,8 +187,13 @@ class PagedPrefixCacheEngine:
 
     @property
     def stats(self) -> EngineStats:
-        """The counters of the work done, and the pool as it is now."""
-        return replace(self._counters, **self.kv_cache_manager.pool_figures())
+        """The counters of the work done, and the queues and the pool as they are now."""
+        return replace(
+            self._counters,
+            requests_running=len(self.scheduler.running),
+            requests_waiting=len(self.scheduler.waiting),
+            **self.kv_cache_manager.pool_figures(),
+        )
 
     def reset_stats(self) -> None:
         """Zero the request/token counters (the cache, evictions and peak are kept)."""
@@ -196,7 +227,7 @@ class PagedPrefixCacheEngine:
 
     # ---- one round's work -------------------------------------------------------------------
 
-    def _schedule(self) -> Iterator[Work]:
+    def _schedule(self) -> Iterator[ScheduledChunk]:
         """This round's work, oldest first: each running sequence's next chunk or token, then
         the first chunk of each waiting one that fits (vLLM's ``Scheduler.schedule`` order).
 
@@ -227,7 +258,9 @@ class PagedPrefixCacheEngine:
             self.observer.admitted(seq)
             yield work
 
-    def _schedule_prefill_chunk(self, seq: Sequence, may_preempt: bool = True) -> Work | None:
+    def _schedule_prefill_chunk(
+        self, seq: Sequence, may_preempt: bool = True
+    ) -> ScheduledChunk | None:
         """The sequence's next chunk and the position of its first token, with room for it.
 
         Before each chunk, not only at admission, the sequence adopts the next blocks the cache
@@ -243,16 +276,16 @@ class PagedPrefixCacheEngine:
         self._count_prefill_chunk(seq, len(hits) * self.block_size, len(chunk), first_hit)
         seq.advance_prefill(start)  # the adopted blocks' tokens are in the pool
         self.observer.scheduled(seq, start, len(chunk))
-        return seq, chunk, start
+        return ScheduledChunk(seq, chunk, start)
 
-    def _schedule_decode_token(self, seq: Sequence) -> Work | None:
+    def _schedule_decode_token(self, seq: Sequence) -> ScheduledChunk | None:
         """The newest token, whose KV is not in the pool yet, and its position."""
         position = seq.num_tokens - 1
         if not self._allocate_slots(seq, position + 1):
             return None
         self._counters.computed_decode_tokens += 1
         self.observer.scheduled(seq, position, 1)
-        return seq, [seq.last_token_id], position
+        return ScheduledChunk(seq, [seq.last_token_id], position)
 
     def _allocate_slots(
         self,
@@ -289,12 +322,21 @@ class PagedPrefixCacheEngine:
             c.prompt_tokens += seq.prompt_len
         c.requests_hit += hit
         c.cached_tokens += adopted
+        seq.num_cached_tokens += adopted
 
-    def _samples_now(self, seq: Sequence, num_computed: int) -> bool:
-        """The model computed the sequence's tokens up to ``num_computed``. A decode token, or
-        a chunk that ends the prefill, gives the next token; a chunk in the middle of a prompt
+    @staticmethod
+    def _computed(work: ScheduledChunk) -> None:
+        """The model has computed ``work``: a prefilling sequence's KV now reaches the chunk's
+        end, and once that is the whole prompt it decodes."""
+        if work.seq.status is SequenceStatus.PREFILLING:
+            work.seq.advance_prefill(work.end)
+
+    @staticmethod
+    def _samples(seq: Sequence) -> bool:
+        """Does the row just computed give the sequence's next token? Yes once it decodes (a
+        decode token, or the chunk that ended its prompt); a chunk in the middle of a prompt
         has nothing to say yet."""
-        return seq.status is not SequenceStatus.PREFILLING or seq.advance_prefill(num_computed)
+        return seq.status is SequenceStatus.RUNNING
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """The next token of each sequence from its row of logits: its k-th draw depends on its
@@ -322,4 +364,6 @@ class PagedPrefixCacheEngine:
     def _output(seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
         finished = seq.status is SequenceStatus.FINISHED
         generated = list(seq.generated_ids)
-        return RequestOutput(seq.seq_id, new_token_ids, generated, finished, seq.finish_reason)
+        return RequestOutput(
+            seq.seq_id, new_token_ids, generated, finished, seq.finish_reason, seq.num_cached_tokens
+        )

@@ -8,18 +8,12 @@ memory.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum, auto
 
 from common import hashing
 from common.sampling import GREEDY, FinishReason, SamplingParams
+from common.status import SequenceStatus  # WAITING -> PREFILLING -> RUNNING -> FINISHED
 
-
-class SequenceStatus(Enum):
-    WAITING = auto()  # queued, no blocks yet
-    PREFILLING = auto()  # admitted; prompt being processed one block-sized chunk per round
-    RUNNING = auto()  # prompt done; one decode token per round
-    PREEMPTED = auto()  # its blocks were taken back; queued again, to recompute its tokens
-    FINISHED = auto()  # max_new_tokens reached, an eos produced, or aborted; blocks released
+__all__ = ["Sequence", "SequenceStatus"]
 
 
 @dataclass(eq=False)
@@ -44,6 +38,7 @@ class Sequence:
     prefill_offset: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens adopted from the cache (before any preemption)
     finish_reason: FinishReason | None = None  # why it ended, once FINISHED
     # Chain hashes of the full blocks, prompt and output, computed so far (vLLM:
     # Request.block_hashes). Tokens never change, so they stay valid across a preemption.

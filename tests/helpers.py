@@ -28,7 +28,8 @@ import torch
 
 from common.config import ModelConfig, preset
 from common.front.steps import FIXES, STEPS, available_steps
-from common.inputs import cdiv
+from common.numbers import cdiv
+from common.observer import RoundObserver
 from common.reference import ReferenceModel, reference_generate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,20 +144,19 @@ def run_rounds(engine, limit: int = 1000) -> int:
 
 
 def log_schedules(engine) -> list[list[int]]:
-    """Wrap the engine's round: each round logs the ids of the sequences it ran, in the order
-    it ran them (running ones oldest first, then the newly admitted). It wraps the private
-    ``_schedule`` generator, the one place every step's round draws its work from."""
+    """Each round's log of the ids of the sequences it ran, in the order it ran them (running
+    ones oldest first, then the newly admitted): an observer of the engine, told of every
+    chunk or token as it is scheduled."""
     log: list[list[int]] = []
-    real = engine._schedule
 
-    def schedule():
-        ran: list[int] = []
-        log.append(ran)
-        for work in real():
-            ran.append(work[0].seq_id)
-            yield work
+    class Log(RoundObserver):
+        def round_started(self) -> None:
+            log.append([])
 
-    engine._schedule = schedule
+        def scheduled(self, seq, start: int, num_tokens: int) -> None:
+            log[-1].append(seq.seq_id)
+
+    engine.add_observer(Log())
     return log
 
 

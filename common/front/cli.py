@@ -16,6 +16,7 @@ import math
 import os
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -182,3 +183,78 @@ def add_dtype_flag(parser: argparse.ArgumentParser) -> None:
         default="float32",
         help=", ".join(DTYPES) + ", or auto (with --model DIR: the dtype it is stored in)",
     )
+
+
+# ---- the engine flags: one definition for every command that builds an engine ------------------
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The engine flags, read once into their types: where the model runs, the KV pool's shape,
+    the running set, and the seed. ``run.py`` (demo and text) and the server take them all; the
+    bench takes those its workloads read."""
+
+    device: str = "cpu"
+    dtype: str = "float32"  # a DTYPES name, or "auto" (a checkpoint's stored dtype)
+    block_size: int = 16
+    total_blocks: int | None = 512  # None: the command sizes the pool itself
+    max_running: int = 8
+    threads: int = 1  # torch CPU threads; 0: torch's default, one per core
+    seed: int = 0
+    max_model_len: int | None = None  # None: a checkpoint's max_position_embeddings
+    no_memory_check: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineOptions:
+        """The options from parsed flags; a flag the parser left out keeps its default."""
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**given)
+
+
+ENGINE_FLAGS: dict[str, tuple[Callable[[str], object], str, str]] = {
+    # dest: (type, metavar, help)
+    "device": (device_name, "DEVICE", "cpu, cuda or cuda:N"),
+    "block_size": (positive_int, "N", "tokens per KV block"),
+    "total_blocks": (positive_int, "N", "KV blocks in the pool"),
+    "max_running": (positive_int, "N", "requests the engine runs at once at most"),
+    "threads": (
+        non_negative_int,
+        "N",
+        "torch CPU threads (0: torch's default, one per core); one keeps timings steady on a "
+        "busy machine; a real --model runs faster on more of an idle machine's cores",
+    ),
+    "seed": (
+        seed_int,
+        "N",
+        "seed of a preset model's random weights, and of the sampling of requests that bring "
+        "no seed of their own (the same N, the same run, in every step)",
+    ),
+    "max_model_len": (
+        positive_int,
+        "N",
+        "the longest request, prompt + new tokens; default: a checkpoint's "
+        "max_position_embeddings (more runs the model on positions it never saw)",
+    ),
+}
+
+
+def add_engine_flags(
+    parser: argparse.ArgumentParser, omit: tuple[str, ...] = (), **defaults: object
+) -> None:
+    """``--device``, ``--dtype``, ``--block-size``, ``--total-blocks``, ``--max-running``,
+    ``--threads``, ``--seed``, ``--max-model-len`` and ``--no-memory-check``, defined here once
+    for every command, with ``EngineOptions``' defaults unless ``defaults`` changes one; the
+    names in ``omit`` are left out (a command that has no use for them)."""
+    base = EngineOptions()
+    for dest in (f.name for f in fields(EngineOptions)):
+        if dest in omit:
+            continue
+        if dest == "dtype":
+            add_dtype_flag(parser)
+        elif dest == "no_memory_check":
+            add_memory_check_flag(parser)
+        else:
+            kind, metavar, text = ENGINE_FLAGS[dest]
+            flag = "--" + dest.replace("_", "-")
+            default = defaults.get(dest, getattr(base, dest))
+            parser.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)

@@ -37,13 +37,9 @@ from ..reference import ReferenceModel, reference_generate
 from ..stats import EngineStats
 from .cli import (
     HelpFormatter,
-    add_dtype_flag,
-    add_memory_check_flag,
-    device_name,
-    non_negative_int,
+    add_engine_flags,
     plural,
     positive_int,
-    seed_int,
     why_unwritable,
 )
 from .steps import load_step
@@ -86,14 +82,7 @@ def parse_args(step_name: str, argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog=f"python -m {step_name}.run", description=DESCRIPTION, formatter_class=HelpFormatter
     )
-    p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or cuda:N")
-    add_dtype_flag(p)
-    p.add_argument(
-        "--block-size", type=positive_int, default=16, metavar="N", help="tokens per KV block"
-    )
-    p.add_argument(
-        "--total-blocks", type=positive_int, default=512, metavar="N", help="KV blocks in the pool"
-    )
+    add_engine_flags(p, max_running=4)
     p.add_argument(
         "--max-new-tokens",
         type=positive_int,
@@ -101,31 +90,6 @@ def parse_args(step_name: str, argv: list[str] | None) -> argparse.Namespace:
         metavar="N",
         help="tokens generated per request",
     )
-    p.add_argument(
-        "--max-running",
-        type=positive_int,
-        default=4,
-        metavar="N",
-        help="the batched engine's running set",
-    )
-    p.add_argument(
-        "--seed",
-        type=seed_int,
-        default=0,
-        metavar="N",
-        help="the demo: seed of the model's random weights; with --model: seed of the "
-        "sampling (each request draws its own seed from it; the same N, the same answers, "
-        "in every step)",
-    )
-    p.add_argument(
-        "--threads",
-        type=non_negative_int,
-        default=1,
-        metavar="N",
-        help="torch CPU threads (0: torch's default, one per core); one keeps timings steady "
-        "on a busy machine; a real --model runs faster on more of an idle machine's cores",
-    )
-    add_memory_check_flag(p)
     add_model_args(p)
     p.add_argument(
         "--trace",
@@ -337,6 +301,7 @@ def run_demo(step_name: str, args: argparse.Namespace) -> int:
         block_size=args.block_size,
         total_blocks=args.total_blocks,
         seed=args.seed,
+        max_model_len=args.max_model_len,
     )
     check_memory(cfg)  # before the banner: a pool the machine cannot hold is the only line
     prompts = demo_prompts(cfg.vocab_size, cfg.block_size)

@@ -38,8 +38,8 @@ def hf_config_dict(cfg: ModelConfig, max_position_embeddings: int | None = None)
 
     RoPE goes in the older ``rope_theta`` + ``rope_scaling`` layout, which every transformers
     version reads (current ones convert it to ``rope_parameters`` themselves).
-    ``max_position_embeddings``: the checkpoint's own, when there is one (``ModelConfig`` does
-    not keep it: the engine has no use for it); else ``default_max_positions``.
+    ``max_position_embeddings``: the one given, else the checkpoint's own
+    (``cfg.max_position_embeddings``), else ``default_max_positions``.
     """
     scaling = None
     if cfg.rope_scaling is not None:
@@ -63,7 +63,10 @@ def hf_config_dict(cfg: ModelConfig, max_position_embeddings: int | None = None)
         "rope_theta": cfg.rope_theta,
         "rope_scaling": scaling,
         "max_position_embeddings": (
-            max_position_embeddings or cfg.max_model_len or default_max_positions(cfg)
+            max_position_embeddings
+            or cfg.max_position_embeddings
+            or cfg.max_model_len
+            or default_max_positions(cfg)
         ),
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "attention_bias": False,

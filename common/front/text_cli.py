@@ -25,7 +25,7 @@ from ..config import ModelConfig
 from ..errors import report_user_errors
 from ..sampling import SamplingParams
 from .chat import Prompt, check_messages
-from .cli import int_range, number_in, plural, positive_int
+from .cli import int_range, number_in, plural
 from .steps import load_step
 from .stream import StreamPrinter, answer_head, answer_tail, text_decoder
 from .text import (
@@ -77,7 +77,7 @@ def messages_file(name: str) -> list[dict[str, str]]:
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """``--model DIR``, the requests (``--system TEXT``, ``--prompt TEXT`` (repeatable),
-    ``--prompt-file FILE``, ``--messages FILE``), ``--no-chat-template``, ``--max-model-len``,
+    ``--prompt-file FILE``, ``--messages FILE``), ``--no-chat-template``,
     ``--stream`` and the sampling flags (``--temperature``, ``--top-p``, ``--top-k``)."""
     parser.add_argument(
         "--model",
@@ -100,14 +100,6 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --model: plain completion even when the checkpoint has a chat template "
         "(by default --system and each --prompt become chat messages in its markup)",
-    )
-    parser.add_argument(
-        "--max-model-len",
-        type=positive_int,
-        metavar="N",
-        help="with --model: the longest request, prompt + --max-new-tokens; None: the "
-        "checkpoint's max_position_embeddings. More is allowed, at your own risk: the model "
-        "never saw those positions",
     )
     parser.add_argument(
         "--prompt-file",

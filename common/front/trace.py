@@ -24,11 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..observer import RoundObserver
+from ..snapshot import PoolSnapshot
+from ..status import SequenceStatus
 
 # Why a request's blocks went back (``KVCacheManager.free``) during a round, by its status: the
 # engine frees a finished request after its last token, and a preempted one right after
 # ``scheduler.preempt()`` marked it. Between rounds, only ``abort`` frees.
-ENDINGS = {"FINISHED": "finished", "PREEMPTED": "preempted"}
+ENDINGS = {SequenceStatus.FINISHED: "finished", SequenceStatus.PREEMPTED: "preempted"}
 
 
 @dataclass
@@ -143,36 +145,34 @@ class RoundTrace:
 
 
 class WatchedEngine(Protocol):
-    """What the trace reads of a step's engine: the KV cache manager (the block pool and the
-    prefix cache), the scheduler's queues (who holds which block), and the observer hook."""
+    """What the trace uses of a step's engine: the observer hooks, and the pool's snapshot (who
+    holds which block, what the cache holds, every ref_count). Nothing of its insides."""
 
-    kv_cache_manager: Any
-    scheduler: Any
+    def add_observer(self, observer: RoundObserver) -> None: ...
 
-    def set_observer(self, observer: RoundObserver | None) -> None: ...
+    def remove_observer(self, observer: RoundObserver) -> None: ...
+
+    def snapshot(self) -> PoolSnapshot: ...
 
 
 class RoundTracer(RoundObserver):
     """Records every round of one engine; ``rounds`` holds them. An observer of the engine
-    (``engine.set_observer``): it is told each event as it happens and reads the pool then;
-    ``detach()`` stops it."""
+    (``engine.add_observer``): it is told each event as it happens and reads the pool's
+    snapshot then; ``detach()`` stops it."""
 
     def __init__(self, engine: WatchedEngine) -> None:
         self.engine = engine
         self.rounds: list[RoundTrace] = []
-        self._kvm = engine.kv_cache_manager
-        self._cache = self._kvm.prefix_cache  # None with the prefix cache off
-        self._block_size = self._kvm.block_size
         self._number = 0  # rounds so far
         self._in_round = False
         self._work: dict[int, Work] = {}  # this round's, by request id, in order of appearance
         # What each running request computes next, "token" or "chunk", from what it last did:
         # said of a request that finds no block (it may be preempted itself before it is told).
         self._next: dict[int, str] = {}
-        engine.set_observer(self)
+        engine.add_observer(self)
 
     def detach(self) -> None:
-        self.engine.set_observer(None)
+        self.engine.remove_observer(self)
 
     # ---- the events -------------------------------------------------------------------------
 
@@ -201,20 +201,20 @@ class RoundTracer(RoundObserver):
     def scheduled(self, seq: Any, start: int, num_tokens: int) -> None:
         work = self._entry(seq)
         work.start, work.end = start, start + num_tokens
-        if seq.status.name == "RUNNING":
+        if seq.status is SequenceStatus.RUNNING:
             work.kind = "decode"
         else:  # prefill is block-aligned: the chunk starts after the blocks it now holds
             work.kind, work.last_chunk = "prefill", work.end >= seq.num_tokens
         self._next[seq.seq_id] = "token" if work.kind == "decode" or work.last_chunk else "chunk"
 
     def cached(self, seq: Any, block_index: int, taken: bool) -> None:
-        block = seq.block_table[block_index]
-        if not taken and block in self._cache:
+        block, cache = seq.block_table[block_index], self.engine.snapshot().cached
+        if not taken and block in cache:
             return  # it was cached already (registered when it was scheduled)
         work = self._entry(seq)
         if taken:
             work.cached.append(block)
-        elif block_index and seq.block_table[block_index - 1] not in self._cache:
+        elif block_index and seq.block_table[block_index - 1] not in cache:
             work.orphans.append(block)
         else:
             work.copies.append(block)
@@ -224,10 +224,10 @@ class RoundTracer(RoundObserver):
         self._entry(seq).preempted_for = for_seq.seq_id
 
     def freed(self, seq: Any) -> None:
-        work, bm = self._entry(seq), self._kvm.block_manager
-        work.ended = ENDINGS[seq.status.name] if self._in_round else "aborted"
-        work.freed = [b for b in seq.block_table if bm.ref_count(b) == 0]
-        work.stay_cached = [b for b in seq.block_table if bm.ref_count(b) > 0]
+        work, pool = self._entry(seq), self.engine.snapshot()
+        work.ended = ENDINGS[seq.status] if self._in_round else "aborted"
+        work.freed = [b for b in seq.block_table if pool.ref_count(b) == 0]
+        work.stay_cached = [b for b in seq.block_table if pool.ref_count(b) > 0]
         self._next.pop(seq.seq_id, None)
         if not self._in_round:
             self._close(between=True)
@@ -242,31 +242,21 @@ class RoundTracer(RoundObserver):
             self._work[seq.seq_id] = Work(seq.seq_id)
         return self._work[seq.seq_id]
 
-    def _cached_blocks(self) -> tuple[int, ...]:
-        if self._cache is None:
-            return ()
-        return tuple(b for b in range(self._kvm.block_manager.total_blocks) if b in self._cache)
-
-    def snapshot(self) -> Pool:
+    def pool(self) -> Pool:
         """The pool now: free blocks, cached blocks, who holds what, every ref_count."""
-        bm = self._kvm.block_manager
-        holders: dict[int, list[int]] = {}
-        for seq in [*self.engine.scheduler.running, *self.engine.scheduler.waiting]:
-            for block in seq.block_table:
-                holders.setdefault(block, []).append(seq.seq_id)
-        refs = {b: bm.ref_count(b) for b in range(bm.total_blocks) if bm.ref_count(b)}
+        s = self.engine.snapshot()
         return Pool(
-            bm.total_blocks,
-            self._block_size,
-            bm.num_free,
-            self._cached_blocks(),
-            {b: tuple(ids) for b, ids in sorted(holders.items())},
-            refs,
+            s.total_blocks,
+            s.block_size,
+            s.num_free,
+            tuple(sorted(s.cached)),
+            s.holders,
+            s.ref_counts,
         )
 
     def _close(self, between: bool = False, cleared: tuple[int, ...] = ()) -> None:
         self.rounds.append(
-            RoundTrace(self._number, list(self._work.values()), self.snapshot(), between)
+            RoundTrace(self._number, list(self._work.values()), self.pool(), between)
         )
         self.rounds[-1].cleared = list(cleared)
         self._work = {}

@@ -150,7 +150,9 @@ def test_from_pretrained_loads_the_checkpoint(
     model = step.TinyTransformerPaged.from_pretrained(folder, block_size=4, total_blocks=64)
     # max_model_len: the checkpoint's max_position_embeddings (hf_llama wrote the default one)
     positions = default_max_positions(CFG)
-    assert model.cfg == CFG.replace(total_blocks=64, seed=None, max_model_len=positions)
+    assert model.cfg == CFG.replace(
+        total_blocks=64, seed=None, max_model_len=positions, max_position_embeddings=positions
+    )
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
     assert tuple(model.kv_pool_k.shape) == (2, 64, 4, 2, 16)  # 2 KV heads, not 4
     expected = step.TinyTransformerPaged(CFG).state_dict()

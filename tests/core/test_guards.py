@@ -21,7 +21,7 @@ import torch
 
 from bench import showcase
 from common import memory
-from common.errors import RequestError, ResourceError
+from common.errors import ContextLengthError, RequestError, ResourceError
 from common.front import demo
 from tests.helpers import ROOT, STEP_NAMES, tiny_config, usage_error
 
@@ -142,6 +142,28 @@ def test_a_request_past_the_context_length_is_refused(step: ModuleType) -> None:
     assert not engine.has_work
     engine.add_request(list(range(1, 11)), 10)
     assert engine.has_work
+
+
+@pytest.mark.parametrize(
+    ("limits", "source"),
+    [
+        ({"max_model_len": 20}, "set by the caller"),
+        ({"max_model_len": 20, "max_position_embeddings": 20}, "checkpoint's max_position"),
+        ({"max_model_len": 20, "max_position_embeddings": 16}, "trained on 16 positions"),
+    ],
+)
+def test_the_context_length_error_carries_its_numbers_and_its_source(
+    step: ModuleType, limits: dict[str, int], source: str
+) -> None:
+    """A ``ContextLengthError`` of its own kind (a server answers it without reading text):
+    the prompt, the tokens asked for and the limit, and a message that says where the limit
+    came from: the checkpoint, or a ``max_model_len`` raised (or set) by the caller."""
+    engine = step.PagedPrefixCacheEngine(step.TinyTransformerPaged(tiny_config(**limits)))
+    with pytest.raises(ContextLengthError, match=source) as info:
+        engine.add_request(list(range(1, 16)), 6)
+    error = info.value
+    assert (error.prompt_tokens, error.max_tokens, error.max_model_len) == (15, 6, 20)
+    assert error.param == "max_new_tokens" and "21" in str(error)
 
 
 def test_the_checkpoint_sets_the_context_length_and_it_can_be_raised(toy_checkpoint) -> None:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from common.config import Llama3RopeScaling, ModelConfig, preset
-from common.inputs import cdiv
 from common.layers import llama3_scaled_inv_freq, rope_inv_freq
+from common.numbers import cdiv
 from common.reference import ReferenceModel
 from common.weights import CheckpointError, make_state_dict
 from tests.helpers import reference_model, tiny_config

@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from common.status import SequenceStatus
 from tests.helpers import EngineFactory, reference_tokens, tiny_config
 
 BS = 4
@@ -66,7 +67,7 @@ def test_abort_at_every_phase(make_engine: EngineFactory, phase: str) -> None:
     full_blocks_before = seq.prefill_offset // BS if seq.generated_ids == [] else None
     assert engine.abort(victim_id) == so_far
     assert so_far == reference_tokens(CFG, [victim], 8)[0][: len(so_far)]
-    assert seq.block_table == [] and seq.status.name == "FINISHED"
+    assert seq.block_table == [] and seq.status is SequenceStatus.FINISHED
     with pytest.raises(KeyError):
         engine.abort(victim_id)
     with pytest.raises(KeyError):
@@ -110,7 +111,7 @@ def test_abort_a_preempted_request(make_engine: EngineFactory) -> None:
     engine = make_engine(cfg, max_running=3)
     ids = [engine.add_request(tokens(10 + i, 2 * BS - 1), 6) for i in range(3)]
     step_until(engine, lambda: engine.stats.preemptions > 0)
-    (victim,) = [s for s in engine.scheduler.waiting if s.status.name == "PREEMPTED"]
+    (victim,) = [s for s in engine.scheduler.waiting if s.status is SequenceStatus.PREEMPTED]
     got = engine.abort(victim.seq_id)
     assert got and got == victim.generated_ids
     finish(engine)
@@ -161,3 +162,31 @@ def test_reset_prefix_cache_with_only_queued_requests(make_engine: EngineFactory
     finish(engine)
     assert engine.pop_output(rid) == reference_tokens(CFG, [prompt], 2)[0]
     assert engine.stats.requests_hit == 0
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_aborting_the_last_request_is_reported_by_the_next_step(
+    make_engine: EngineFactory, phase: str
+) -> None:
+    """With nothing else queued or running, an abort is still work: ``has_work`` stays True
+    until the next ``step()`` hands back the request's end (finish_reason "abort", its tokens
+    so far), so a ``while engine.has_work: engine.step()`` loop sees it. That step runs no
+    model call, and the notice is handed out once."""
+    engine = make_engine(CFG)
+    rid = engine.add_request(tokens(5, 2 * BS + 1), 8)
+    if phase == "mid-prefill":
+        step_until(engine, lambda: seq_of(engine, rid).prefill_offset >= BS)
+    elif phase == "decoding":
+        step_until(engine, lambda: len(seq_of(engine, rid).generated_ids) >= 2)
+    so_far = engine.abort(rid)
+    assert engine.has_work
+    rounds = engine.stats.rounds
+    reported = []
+    while engine.has_work:
+        reported += engine.step()
+    (output,) = reported
+    assert (output.request_id, output.finished, output.finish_reason) == (rid, True, "abort")
+    assert output.token_ids == so_far and output.new_token_ids == []
+    assert engine.stats.rounds == rounds  # nothing ran: the round only reported
+    assert engine.step() == [] and not engine.has_work
+    assert engine.ref_count_problems() == []

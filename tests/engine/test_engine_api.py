@@ -15,6 +15,7 @@ from types import ModuleType
 
 import pytest
 
+from common.observer import RoundObserver
 from tests.helpers import (
     EngineFactory,
     life_in_rounds,
@@ -191,3 +192,99 @@ def test_reset_stats_keeps_the_cache_and_the_eviction_count(make_engine: EngineF
     assert after == {k: v if k in kept else 0 for k, v in asdict(before).items()}
     engine.generate([[*second[: 2 * BS], 9]], 1)
     assert engine.stats.cached_tokens == 2 * BS
+
+
+# ---- what a server reads: cached tokens per request, the queues, watchers ----------------------
+
+
+def test_each_output_carries_its_requests_cached_tokens(make_engine: EngineFactory) -> None:
+    """``RequestOutput.num_cached_tokens`` (vLLM's name): the prompt tokens a request adopted
+    from the cache. Summed over the requests it is ``stats.cached_tokens``; a request with
+    nothing to share reports 0, and every output of a request reports the same count."""
+    engine = make_engine()
+    prefix = tokens(700, 3 * BS)
+    first = engine.add_request(prefix + tokens(701, 2), 3)
+    while engine.has_work:
+        assert all(out.num_cached_tokens == 0 for out in engine.step())
+    engine.pop_output(first)
+    ids = [engine.add_request(prefix + tokens(702 + i, 1 + i), 3) for i in range(2)]
+    alone = engine.add_request(tokens(800, 2 * BS + 1), 3)
+    counts: dict[int, set[int]] = {}
+    while engine.has_work:
+        for out in engine.step():
+            counts.setdefault(out.request_id, set()).add(out.num_cached_tokens)
+    assert counts == {ids[0]: {3 * BS}, ids[1]: {3 * BS}, alone: {0}}
+    assert engine.stats.cached_tokens == 2 * 3 * BS
+
+
+def test_stats_count_the_running_and_the_waiting(make_engine: EngineFactory) -> None:
+    """``requests_running`` / ``requests_waiting`` are the queues now (vLLM's gauges)."""
+    engine = make_engine(max_running=2)
+    for i in range(5):
+        engine.add_request(tokens(900 + i, 3), 4)
+    assert (engine.stats.requests_running, engine.stats.requests_waiting) == (0, 5)
+    engine.step()
+    assert (engine.stats.requests_running, engine.stats.requests_waiting) == (2, 3)
+    while engine.has_work:
+        engine.step()
+        s = engine.stats
+        assert s.requests_running <= 2 and s.requests_running + s.requests_waiting <= 5
+    assert (engine.stats.requests_running, engine.stats.requests_waiting) == (0, 0)
+
+
+class EventLog(RoundObserver):
+    """Writes down every event's name, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def __getattribute__(self, name: str):
+        if name in vars(RoundObserver) and not name.startswith("_"):
+            return lambda *args: self.events.append(name)
+        return super().__getattribute__(name)
+
+
+def test_two_observers_hear_every_event_and_each_can_leave(make_engine: EngineFactory) -> None:
+    """Several watchers at once (a server's metrics and the trace): each is told every event,
+    in the same order; one removed hears nothing more while the other goes on; attaching the
+    same watcher twice, or removing a stranger, is refused."""
+    engine = make_engine()
+    first, second = EventLog(), EventLog()
+    engine.add_observer(first)
+    engine.add_observer(second)
+    with pytest.raises(ValueError):
+        engine.add_observer(first)
+    engine.generate([tokens(1000, 2 * BS + 1), tokens(1001, 3)], 3)
+    assert first.events == second.events and {"round_started", "freed"} <= set(first.events)
+    engine.remove_observer(first)
+    heard = len(first.events)
+    engine.generate([tokens(1002, 3)], 2)
+    assert len(first.events) == heard and len(second.events) > heard
+    with pytest.raises(ValueError):
+        engine.remove_observer(first)
+
+
+def test_snapshot_shows_the_pool_and_is_a_copy(make_engine: EngineFactory) -> None:
+    """``engine.snapshot()``: the free count, every ref_count, what the cache holds and each
+    request's table, consistent with one another (ref_count = tables holding it + the cache);
+    changing it changes nothing in the engine."""
+    engine = make_engine(max_running=2)
+    prefix = tokens(1100, 2 * BS)
+    for i in range(3):
+        engine.add_request(prefix + tokens(1101 + i, 3), 3)
+    for _ in range(3):
+        engine.step()
+    snap = engine.snapshot()
+    assert len(snap.running) == 2 and len(snap.waiting) == 1
+    holders = snap.holders
+    for block, count in snap.ref_counts.items():
+        assert count == len(holders.get(block, ())) + (block in snap.cached)
+    assert snap.num_free + len(snap.ref_counts) == snap.total_blocks
+    snap.ref_counts.clear()
+    assert engine.snapshot().ref_counts and engine.snapshot() == snap.__class__(
+        **{**vars(engine.snapshot())}
+    )
+    while engine.has_work:
+        engine.step()
+    rest = engine.snapshot()
+    assert rest.running == rest.waiting == {} and set(rest.ref_counts) == set(rest.cached)

@@ -22,7 +22,9 @@ from collections.abc import Callable
 import pytest
 
 from common.front.workload import shared_prefix_prompts
-from common.inputs import blocks_for_request, cdiv
+from common.inputs import blocks_for_request
+from common.numbers import cdiv
+from common.status import SequenceStatus
 from tests.helpers import (
     EngineFactory,
     blocks_needed,
@@ -133,7 +135,7 @@ def test_a_round_that_preempts_admits_nobody(
         preempting_rounds += 1
         running = {s.seq_id for s in engine.scheduler.running}
         assert not running & waiting_before, "a round that preempted admitted a waiting request"
-        victims = [s for s in engine.scheduler.waiting if s.status.name == "PREEMPTED"]
+        victims = [s for s in engine.scheduler.waiting if s.status is SequenceStatus.PREEMPTED]
         assert len(victims) >= engine.stats.preemptions - before
         assert all(v.num_preemptions > preempted_before.get(v.seq_id, 0) for v in victims[:1])
     assert preempting_rounds > 0, "the scenario never preempted"

@@ -20,6 +20,7 @@ import pytest
 
 from common.front.steps import load_step
 from common.inputs import blocks_for_request
+from common.status import SequenceStatus
 from tests.helpers import EngineFactory, guard_against_hangs, reference_tokens, tiny_config, tokens
 
 BS = 4
@@ -108,7 +109,7 @@ def test_the_youngest_running_request_is_preempted(make_engine: EngineFactory) -
     victim = seq_of(engine.scheduler.waiting, ids[2])
     assert running == ids[:2]
     assert list(engine.scheduler.waiting) == [victim, seq_of(engine.scheduler.waiting, ids[3])]
-    assert victim.status.name == "PREEMPTED" and victim.num_preemptions == 1
+    assert victim.status is SequenceStatus.PREEMPTED and victim.num_preemptions == 1
     assert victim.block_table == [] and victim.prefill_offset == 0
     assert len(victim.generated_ids) >= 1, "a preempted request keeps what it generated"
     for seq in engine.scheduler.running:  # the older ones kept every block they had

@@ -16,7 +16,7 @@ import torch
 
 from common.config import ModelConfig
 from common.front.workload import demo_prompts, shared_prefix_prompts
-from common.inputs import cdiv
+from common.numbers import cdiv
 from tests.helpers import (
     EngineFactory,
     assert_engine_matches_reference,

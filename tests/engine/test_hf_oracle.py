@@ -23,7 +23,7 @@ import common.layers
 import common.reference
 from common.config import Llama3RopeScaling, ModelConfig, preset
 from common.front.hf import hf_llama
-from common.inputs import cdiv
+from common.numbers import cdiv
 from common.reference import ReferenceModel
 
 # HF computes its RoPE angles in float32 even for a float64 model, so against our float64

@@ -156,19 +156,19 @@ def test_free_drops_every_reference_and_keeps_the_cached_blocks(step: ModuleType
     assert bm.num_free + len(manager.prefix_cache) == total
 
 
-def test_finished_request_touches_its_blocks_tail_first(make_engine: EngineFactory) -> None:
+def test_finished_request_files_its_blocks_tail_first(make_engine: EngineFactory) -> None:
     """``free`` (the chapter's ``_free_seq``) marks a finished request's blocks most recently used
     tail first, so that in LRU order a chain's tail comes before its head (evicted first),
     whatever PrefixCache.evict does on its own."""
     engine = make_engine()
     touched: list[list[int]] = []
-    real = engine.kv_cache_manager.prefix_cache.touch
+    real = engine.kv_cache_manager.prefix_cache.update_eviction_queue
 
-    def touch(block_ids):
+    def update_eviction_queue(block_ids):
         touched.append(list(block_ids))
         return real(block_ids)
 
-    engine.kv_cache_manager.prefix_cache.touch = touch
+    engine.kv_cache_manager.prefix_cache.update_eviction_queue = update_eviction_queue
     prompt = tokens(530, 3 * BS + 2)
     engine.generate([prompt], BS)
     chain = engine.kv_cache_manager.prefix_cache.match(

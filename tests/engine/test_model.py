@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.config import ModelConfig
-from common.inputs import cdiv
 from common.layers import RMSNorm, apply_rope, rope_cos_sin
+from common.numbers import cdiv
 from common.reference import ReferenceModel
 from tests.helpers import reference_model, tiny_config
 

@@ -368,7 +368,7 @@ def cache_chain(block_manager, cache, token_ids: list[int]) -> list[int]:
         assert cache.insert(block_hash, block_id, token_ids[i * BS : (i + 1) * BS], parent)
         parent = block_id
     block_manager.free(ids)
-    cache.touch(ids[::-1])
+    cache.update_eviction_queue(ids[::-1])
     return ids
 
 
@@ -396,11 +396,11 @@ def test_evict_goes_tail_first_and_never_strands_a_block(step) -> None:
     nothing."""
     block_manager, cache = cache_alone(step)
     chain = cache_chain(block_manager, cache, tokens(20, 3 * BS))
-    cache.touch(chain)  # head first: the head is now least recently used
+    cache.update_eviction_queue(chain)  # head first: the head is now least recently used
     with pytest.raises(RuntimeError, match="children"):
         cache.evict(1)
     assert (len(cache), cache.num_evictable, cache.num_evictions) == (3, 3, 0)
-    cache.touch(chain[::-1])
+    cache.update_eviction_queue(chain[::-1])
     assert evict_one_by_one(block_manager, cache, 3) == chain[::-1]
     assert cache.num_evictions == 3 and len(cache) == 0
 
@@ -410,7 +410,7 @@ def test_evict_is_least_recently_used_first_among_leaves(step) -> None:
     block_manager, cache = cache_alone(step)
     chain_a = cache_chain(block_manager, cache, tokens(21, 2 * BS))
     chain_b = cache_chain(block_manager, cache, tokens(22, 2 * BS))
-    cache.touch(chain_a[::-1])  # A used after B
+    cache.update_eviction_queue(chain_a[::-1])  # A used after B
     assert evict_one_by_one(block_manager, cache, 4) == chain_b[::-1] + chain_a[::-1]
 
 
@@ -422,9 +422,11 @@ def test_evict_skips_blocks_a_request_holds_and_refuses_when_none_is_left(step) 
     loose = cache_chain(block_manager, cache, tokens(24, 2 * BS))
     block_manager.retain(held[0])  # a request adopts it (KVCacheManager.allocate_slots)...
     assert cache.num_evictable == 3
-    cache.touch(held)  # ...and tells the cache: the oldest block, but a request holds it
+    cache.update_eviction_queue(
+        held
+    )  # ...and tells the cache: the oldest block, but a request holds it
     assert cache.num_evictable == 2
-    cache.touch(loose[::-1])
+    cache.update_eviction_queue(loose[::-1])
     assert evict_one_by_one(block_manager, cache, 2) == loose[::-1]
     assert cache.num_evictable == 0
     with pytest.raises(RuntimeError):

@@ -28,7 +28,7 @@ from common.config import ModelConfig
 from common.front.steps import load_step
 from common.front.workload import random_shared_prefix_prompts
 from common.hashing import hash_prefix_blocks
-from common.inputs import cdiv
+from common.numbers import cdiv
 from tests.helpers import (
     EngineFactory,
     blocks_needed,
@@ -245,6 +245,8 @@ class BlockBookkeeping:
         total = self.case.total_blocks
         return {
             **{k: self.counters[k] for k in COUNTERS},
+            "requests_running": len(self.running),
+            "requests_waiting": len(self.waiting),
             "evictions": self.evictions,
             "blocks_free": self.free,
             "blocks_cached": len(self.lru),

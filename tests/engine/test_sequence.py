@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from common.status import SequenceStatus
 from tests.helpers import EngineFactory, tiny_config, tokens
 
 CFG = tiny_config()
@@ -46,16 +47,16 @@ def test_sequence_moves_waiting_prefilling_running_finished(make_engine: EngineF
     prompt, max_new = tokens(560, 2 * BS + 3), 3
     engine.add_request(prompt, max_new)
     (seq,) = engine.scheduler.waiting
-    assert seq.status.name == "WAITING" and seq.prefill_offset == 0
+    assert seq.status is SequenceStatus.WAITING and seq.prefill_offset == 0
     seen = []
     while engine.has_work:
         engine.step()
-        seen.append((seq.status.name, seq.prefill_offset, len(seq.generated_ids)))
+        seen.append((seq.status, seq.prefill_offset, len(seq.generated_ids)))
     assert seen == [
-        ("PREFILLING", BS, 0),
-        ("PREFILLING", 2 * BS, 0),
-        ("RUNNING", len(prompt), 1),
-        ("RUNNING", len(prompt), 2),
-        ("FINISHED", len(prompt), 3),
+        (SequenceStatus.PREFILLING, BS, 0),
+        (SequenceStatus.PREFILLING, 2 * BS, 0),
+        (SequenceStatus.RUNNING, len(prompt), 1),
+        (SequenceStatus.RUNNING, len(prompt), 2),
+        (SequenceStatus.FINISHED, len(prompt), 3),
     ]
     assert seq.block_table == []

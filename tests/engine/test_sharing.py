@@ -16,7 +16,7 @@ import pytest
 
 from common.front.steps import load_step
 from common.front.workload import demo_prompts, shared_prefix_prompts
-from common.inputs import cdiv
+from common.numbers import cdiv
 from tests.helpers import EngineFactory, reference_tokens, tiny_config, tokens
 
 CFG = tiny_config()

@@ -36,6 +36,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.errors import RequestError
 from common.sampling import SamplingParams
 from tests.helpers import EngineFactory, edit_json, reference_tokens, run_python, tiny_config
 
@@ -103,6 +104,17 @@ BAD_REQUESTS: dict[str, BadRequest] = {
     ),
 }
 TOO_BIG = ("too-long-prompt", "too-many-new-tokens")
+# The argument each refusal names in ``RequestError.param`` (a server maps it to its field).
+PARAM_OF = {
+    **dict.fromkeys(
+        [case for case in BAD_REQUESTS if case.startswith(("max-new", "too-many"))],
+        "max_new_tokens",
+    ),
+    **dict.fromkeys([case for case in BAD_REQUESTS if case.startswith("eos-")], "eos_token_id"),
+    "sampling-params-dict": "sampling_params",
+    "sampling-and-max-new": "max_new_tokens",
+    "stop-id-equals-vocab": "stop_token_ids",
+}
 
 
 def submit_add_request(engine, bad: BadRequest) -> object:
@@ -181,6 +193,15 @@ def test_bad_input_is_refused_and_changes_nothing(
         submit(engine, BAD_REQUESTS[case])
     assert snapshot(engine) == before
     assert_same_future(engine, twin)
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS.keys())
+def test_every_refusal_names_its_argument(make_engine: EngineFactory, case: str) -> None:
+    """A ``RequestError`` whose ``param`` is the argument at fault (the prompt, unless named
+    otherwise), so that a caller need not read the message to know which field to blame."""
+    with pytest.raises(RequestError) as info:
+        submit_add_request(make_engine(CFG), BAD_REQUESTS[case])
+    assert info.value.param == PARAM_OF.get(case, "prompt_ids")
 
 
 @pytest.mark.parametrize("case", TOO_BIG)
