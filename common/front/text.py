@@ -46,7 +46,7 @@ from ..sampling import RequestOutput, SamplingParams
 from .chat import ChatTemplate, Prompt, check_messages, load_chat_template, messages_for
 from .cli import plural
 from .steps import load_step
-from .stream import answer_ids, text_decoder
+from .stream import Decode, answer_ids, text_decoder
 
 TOKENIZER_FILE = "tokenizer.json"
 DEFAULT_MAX_NEW_TOKENS = 32  # generate_text's, when neither max_new_tokens nor sampling_params
@@ -76,39 +76,87 @@ def load_tokenizer(model_dir: str | Path) -> Any:
         raise CheckpointError(f"{path} cannot be read as a tokenizer: {exc}") from None
 
 
-def encode_prompts(
-    tokenizer: Any, prompts: list[str], system: str | None = None
-) -> list[list[int]]:
-    """Token ids per request, plain completion: ``[bos] system`` then the prompt, or
-    ``[bos] prompt``.
+class TextCodec:
+    """A checkpoint's text side, loaded once: its tokenizer, its chat template (None when it has
+    none, or it is not wanted) and the ids that end an answer (``eos_token_ids``).
 
-    The system prompt is encoded once, with the tokenizer's special tokens (BOS), and each
-    prompt without them: encoding ``system + prompt`` as one string could merge tokens across
-    the seam differently per request, and the requests would no longer share a token prefix.
+    ``encode`` turns one request, a text prompt or a conversation, into the token ids the engine
+    takes; ``decode`` turns an answer's ids back into text. ``generate_text`` encodes every
+    prompt with one; a server loads one at start and encodes each request as it comes.
     """
-    if not prompts:
-        raise ValueError("give at least one prompt")
-    if system is None:
-        return [tokenizer.encode(p).ids for p in prompts]
-    prefix = tokenizer.encode(system).ids
-    return [prefix + tokenizer.encode(p, add_special_tokens=False).ids for p in prompts]
 
+    def __init__(
+        self, tokenizer: Any, template: ChatTemplate | None, eos_token_ids: list[int]
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.template = template
+        self.eos_token_ids = eos_token_ids
+        self.decode: Decode = text_decoder(tokenizer)
 
-def encode_chat(
-    tokenizer: Any, template: ChatTemplate, prompts: list[Prompt], system: str | None = None
-) -> list[list[int]]:
-    """Token ids per request, as chat: ``system`` and the prompt as messages in the model's
-    markup (a conversation as it is), ending with the assistant's header; the ids
-    ``apply_chat_template`` gives.
+    @classmethod
+    def load(cls, model_dir: str | Path, chat_template: bool = True) -> TextCodec:
+        """The tokenizer, the chat template (unless ``chat_template`` is False) and the eos ids
+        of the checkpoint in ``model_dir``."""
+        folder = checkpoint_dir(model_dir)
+        template = load_chat_template(folder) if chat_template else None
+        return cls(load_tokenizer(folder), template, eos_token_ids(folder))
 
-    Each conversation is tokenized whole, exactly as transformers does. The requests still
-    share the tokens of the system part: the template writes it the same way every time, and
-    its text ends at the template's own markup before each user's text begins.
-    """
-    if not prompts:
-        raise ValueError("give at least one prompt")
-    texts = [template.render(messages_for(p, system) if isinstance(p, str) else p) for p in prompts]
-    return [tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
+    def encode(self, prompt: Prompt, system: str | None = None) -> list[int]:
+        """One request as token ids: a conversation in the chat template; a text prompt in the
+        chat template too when there is one (behind ``system``, as a system message), else as
+        a plain completion (``completion_ids``)."""
+        if isinstance(prompt, list):
+            if system is not None:
+                raise RequestError(
+                    "system= is for text prompts: a conversation carries its own system message",
+                    "system",
+                )
+            return self.chat_ids(prompt)
+        if self.template is not None:
+            return self.chat_ids(messages_for(prompt, system))
+        return self.completion_ids(prompt, system)
+
+    def completion_ids(self, text: str, system: str | None = None) -> list[int]:
+        """A plain completion: ``[bos] system`` then ``text``, or ``[bos] text``.
+
+        The system prompt is encoded on its own, with the tokenizer's special tokens (BOS), and
+        the text without them: encoding ``system + text`` as one string could merge tokens
+        across the seam differently per request, and the requests would no longer share a
+        token prefix.
+        """
+        if system is None:
+            return self.tokenizer.encode(text).ids
+        tail = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self.tokenizer.encode(system).ids + tail
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """A conversation in the checkpoint's chat markup, ending with the assistant's header:
+        the ids transformers' ``apply_chat_template(..., add_generation_prompt=True)`` gives.
+
+        Each conversation is tokenized whole, exactly as transformers does. Requests still
+        share the tokens of a common system part: the template writes it the same way every
+        time, and its text ends at the template's own markup before each user's text begins.
+        """
+        if self.template is None:
+            raise RequestError(
+                "a conversation is written in the checkpoint's chat template, and none is loaded",
+                "messages",
+            )
+        text = self.template.render(check_messages(messages))
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def system_tokens(self, system: str | None, prompt_ids: list[list[int]]) -> int:
+        """The tokens every request shares because of ``system``: the system prompt (BOS
+        included), or the system message in the template's markup that every request begins
+        with; 0 without a system prompt."""
+        if system is None:
+            return 0
+        if self.template is None:
+            return len(self.tokenizer.encode(system).ids)
+        message = [{"role": "system", "content": system}]
+        alone = self.template.render(message, add_generation_prompt=False)
+        system_ids = self.tokenizer.encode(alone, add_special_tokens=False).ids
+        return common_prefix_len([system_ids, *prompt_ids])
 
 
 def common_prefix_len(sequences: list[list[int]]) -> int:
@@ -142,7 +190,7 @@ class TextResult:
 class TextRequests:
     """Requests ready to serve, checked without reading a single weight."""
 
-    tokenizer: Any
+    codec: TextCodec
     prompt_ids: list[list[int]]
     eos: list[int]
     system_tokens: int
@@ -223,24 +271,19 @@ def prepare_requests(
     (``system`` is refused with one)."""
     params = sampling_params_for(len(prompts), max_new_tokens, sampling_params)
     folder = checkpoint_dir(model_dir)
-    tokenizer = load_tokenizer(folder)
-    template = load_chat_template(folder) if chat_template else None
-    check_conversations(prompts, system, template, chat_template, folder)
-    if template is None:
-        prompt_ids = encode_prompts(tokenizer, prompts, system)  # type: ignore[arg-type]
-        shared = len(tokenizer.encode(system).ids) if system is not None else 0
-    else:
-        prompt_ids = encode_chat(tokenizer, template, prompts, system)
-        shared = chat_system_tokens(tokenizer, template, system, prompt_ids)
+    codec = TextCodec.load(folder, chat_template)
+    check_conversations(prompts, system, codec.template, chat_template, folder)
+    prompt_ids = [codec.encode(prompt, system) for prompt in prompts]
     eos = (
-        eos_token_ids(folder)
+        codec.eos_token_ids
         if eos_token_id is None
         else sorted(as_eos_ids(eos_token_id, cfg.vocab_size))
     )
     check_text_requests(prompts, prompt_ids, params, eos, cfg)
     check_stored_shapes(folder, cfg)  # the weight files' headers only: milliseconds
-    source = template.source if template is not None else None
-    return TextRequests(tokenizer, prompt_ids, eos, shared, source, params)
+    source = codec.template.source if codec.template is not None else None
+    shared = codec.system_tokens(system, prompt_ids)
+    return TextRequests(codec, prompt_ids, eos, shared, source, params)
 
 
 def check_conversations(
@@ -263,18 +306,6 @@ def check_conversations(
         raise RequestError(
             f"a conversation (--messages) is written in the checkpoint's chat template, and {why}"
         )
-
-
-def chat_system_tokens(
-    tokenizer: Any, template: ChatTemplate, system: str | None, prompt_ids: list[list[int]]
-) -> int:
-    """The tokens every request shares because of ``system``: those of the system message in
-    the template's markup that every request begins with (0 without a system prompt)."""
-    if system is None:
-        return 0
-    alone = template.render([{"role": "system", "content": system}], add_generation_prompt=False)
-    system_ids = tokenizer.encode(alone, add_special_tokens=False).ids
-    return common_prefix_len([system_ids, *prompt_ids])
 
 
 def check_text_requests(
@@ -445,10 +476,9 @@ def serve(
     seconds = time.perf_counter() - start
     finals = [last[i] for i in range(len(prompts))]
     output_ids = [answer_ids(output) for output in finals]
-    decode = text_decoder(requests.tokenizer)
     return TextResult(
         prompts,
-        [decode(ids) for ids in output_ids],
+        [requests.codec.decode(ids) for ids in output_ids],
         requests.prompt_ids,
         output_ids,
         engine.stats,

@@ -27,7 +27,7 @@ from ..sampling import SamplingParams
 from .chat import Prompt, check_messages
 from .cli import int_range, number_in, plural
 from .steps import load_step
-from .stream import StreamPrinter, answer_head, answer_tail, text_decoder
+from .stream import StreamPrinter, answer_head, answer_tail
 from .text import (
     DEFAULT_MAX_NEW_TOKENS,
     TextRequests,
@@ -356,7 +356,7 @@ def serve_and_print(
         print_result(result, args.system)
         return
     print_system(args.system, requests.system_tokens)
-    printer = StreamPrinter(text_decoder(requests.tokenizer), prompts)
+    printer = StreamPrinter(requests.codec.decode, prompts)
     result = serve(step, model, prompts, requests, max_running, on_engine, printer, seed)
     print_summary(result, args.system)
 

@@ -53,7 +53,7 @@ from common.checkpoint import config_from_hf, eos_token_ids, load_checkpoint
 from common.config import ModelConfig, preset
 from common.errors import CheckpointError
 from common.front.hf import default_max_positions, hf_llama
-from common.front.text import encode_prompts, generate_text, load_tokenizer
+from common.front.text import TextCodec, generate_text, load_tokenizer
 from common.front.text_cli import add_model_args, run_text
 from tests.helpers import STEP_NAMES, edit_json
 from tests.toy_checkpoint import CFG, VOCAB, WORDS, word_tokenizer
@@ -110,7 +110,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     model.save_pretrained(single)
     model.save_pretrained(sharded, max_shard_size="40KB")
     tokenizer = word_tokenizer()
-    prompt_ids = encode_prompts(tokenizer, PROMPTS, SYSTEM)
+    prompt_ids = [TextCodec(tokenizer, None, []).completion_ids(p, SYSTEM) for p in PROMPTS]
     free_run = hf_greedy(model, prompt_ids, eos=None)
     eos = next(  # a token that some answer reaches after two others
         t for out in free_run for i, t in enumerate(out) if i >= 2 and t not in out[:i]
@@ -335,13 +335,14 @@ def test_text_through_every_step_equals_hf(
 
 
 def test_prompts_share_the_system_prompt_token_for_token(checkpoint: dict[str, object]) -> None:
-    tokenizer = load_tokenizer(checkpoint["single"])
-    ids = encode_prompts(tokenizer, PROMPTS, SYSTEM)
-    prefix = tokenizer.encode(SYSTEM).ids
+    codec = TextCodec.load(checkpoint["single"])
+    ids = [codec.encode(prompt, SYSTEM) for prompt in PROMPTS]
+    prefix = codec.tokenizer.encode(SYSTEM).ids
     assert prefix[0] == 1  # <s>
     assert 0 not in prefix  # every word is in the vocabulary: no <unk>
     assert all(p[: len(prefix)] == prefix for p in ids)
-    assert encode_prompts(tokenizer, ["the cat"])[0] == [1, VOCAB.index("the"), VOCAB.index("cat")]
+    assert codec.encode("the cat") == [1, VOCAB.index("the"), VOCAB.index("cat")]
+    assert codec.system_tokens(SYSTEM, ids) == len(prefix)
 
 
 def test_run_text_prints_outputs_and_cache_figures(

@@ -31,7 +31,7 @@ from common.config import Llama3RopeScaling, preset
 from common.errors import UserError
 from common.front.chat import load_chat_template, messages_for
 from common.front.hf import hf_llama
-from common.front.text import common_prefix_len, encode_chat, generate_text, load_tokenizer
+from common.front.text import TextCodec, common_prefix_len, generate_text, load_tokenizer
 from tests.helpers import edit_json
 from tests.toy_checkpoint import byte_level_bpe
 
@@ -167,9 +167,9 @@ def test_chat_ids_equal_transformers_apply_chat_template(
 ) -> None:
     folder = chat_checkpoints[layout]
     system, prompt = CONVERSATIONS[case]
-    template = load_chat_template(folder)
-    assert template is not None
-    ours = encode_chat(load_tokenizer(folder), template, [prompt], system)[0]
+    codec = TextCodec.load(folder)
+    assert codec.template is not None
+    ours = codec.encode(prompt, system)
     messages = [{"role": "system", "content": system}] if system is not None else []
     messages.append({"role": "user", "content": prompt})
     assert ours == transformers_ids(folder, messages)
@@ -218,7 +218,7 @@ def test_the_jinja_file_wins_over_the_tokenizer_config_field(
     assert template.template == (folder / "chat_template.jinja").read_text()
     assert template.template != field
     messages = messages_for(PROMPTS[1], SYSTEM)
-    ours = encode_chat(load_tokenizer(folder), template, [PROMPTS[1]], SYSTEM)[0]
+    ours = TextCodec(load_tokenizer(folder), template, []).encode(PROMPTS[1], SYSTEM)
     assert ours == transformers_ids(folder, messages)
     assert "<|im_start|>user" in load_tokenizer(folder).decode(ours, skip_special_tokens=False)
 
@@ -228,7 +228,7 @@ def test_tojson_as_transformers_writes_it(tmp_path: Path) -> None:
     messages = [{"role": "user", "content": "Réponds: <b>café</b> & thé"}]
     template = load_chat_template(folder)
     assert "café" in template.render(messages)
-    ours = encode_chat(load_tokenizer(folder), template, [messages[0]["content"]])[0]
+    ours = TextCodec.load(folder).encode(messages)
     assert ours == transformers_ids(folder, messages)
 
 
