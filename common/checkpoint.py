@@ -357,18 +357,23 @@ def _drop_redundant(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
 def load_checkpoint(
     path: str | Path, **overrides: Any
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """``(cfg, weights)`` from a local checkpoint directory; the weights' names and shapes are
-    checked against ``cfg`` by ``CausalLM.load_weights``.
+    """``(cfg, weights)`` from a local checkpoint directory (``read_weights``)."""
+    cfg = checkpoint_config(path, **overrides)
+    return cfg, read_weights(path, cfg)
+
+
+def read_weights(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights for a model of ``cfg``: their names and shapes are checked
+    from the files' headers first, and again by ``CausalLM.load_weights``.
 
     The weights are already in ``cfg.dtype`` on ``cfg.device``, cast one tensor at a time (a
     bfloat16 file is never held twice over in float32), so that several models built from one
     ``load_checkpoint`` (every step in ``python -m bench``) share the same tensors.
     """
     folder = checkpoint_dir(path)
-    cfg = checkpoint_config(folder, **overrides)
     check_stored_shapes(folder, cfg)
     weights = read_safetensors(folder)
     _drop_redundant(weights, cfg)
     for name in weights:
         weights[name] = weights[name].to(device=cfg.device, dtype=cfg.dtype)
-    return cfg, weights
+    return weights

@@ -74,16 +74,21 @@ INTERRUPTED = 130  # the shell's status for a program ended by Ctrl-C (128 + SIG
 def report_user_errors(prog: str, body: Callable[[], int]) -> int:
     """Run ``body`` and return its exit status; a ``UserError`` becomes one line on stderr,
     ``<prog>: error: <message>`` (argparse's form), and status 1; Ctrl-C becomes
-    ``<prog>: interrupted`` and the end of ``end_as_interrupted``. Other exceptions propagate
-    with their traceback."""
+    ``interrupted``'s one line. Other exceptions propagate with their traceback."""
     try:
         return body()
     except UserError as exc:
         print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"\n{prog}: interrupted", file=sys.stderr)
-        return end_as_interrupted()
+        return interrupted(prog)
+
+
+def interrupted(prog: str) -> int:
+    """What Ctrl-C ends a command with: ``<prog>: interrupted`` on stderr, on a line of its
+    own, then the end of ``end_as_interrupted``."""
+    print(f"\n{prog}: interrupted", file=sys.stderr)
+    return end_as_interrupted()
 
 
 def end_as_interrupted() -> int:

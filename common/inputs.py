@@ -153,20 +153,26 @@ def check_requests(
             "prompts",
         )
     prompts = list(prompts)
-    if isinstance(sampling_params, (list, tuple)):
-        if len(sampling_params) != len(prompts):
-            raise RequestError(
-                f"{len(sampling_params)} sampling_params for {len(prompts)} prompts: give one "
-                "for all, or one per prompt",
-                "sampling_params",
-            )
-        per_prompt = list(sampling_params)
-    else:
-        per_prompt = [sampling_params] * len(prompts)
+    per_prompt = sampling_params_per_prompt(sampling_params, len(prompts))
     return [
         check_request(p, max_new_tokens, eos_token_id, cfg, params)
         for p, params in zip(prompts, per_prompt, strict=True)
     ]
+
+
+def sampling_params_per_prompt(sampling_params: object, num_prompts: int) -> list[object]:
+    """``sampling_params`` for each of ``num_prompts`` prompts: one (or None) for all, or a
+    list with one per prompt; a list of another length, a single item too, is refused (vLLM's
+    rule: which prompt it was meant for cannot be told)."""
+    if not isinstance(sampling_params, (list, tuple)):
+        return [sampling_params] * num_prompts
+    if len(sampling_params) != num_prompts:
+        raise RequestError(
+            f"{len(sampling_params)} sampling_params for {num_prompts} prompts: give one "
+            "SamplingParams for all, or a list with one per prompt",
+            "sampling_params",
+        )
+    return list(sampling_params)
 
 
 def as_token_list(prompt_ids: object) -> list[int]:

@@ -197,21 +197,27 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
-    def from_pretrained(cls: type[ModelT], path: str | Path, **overrides: object) -> ModelT:
+    def from_pretrained(
+        cls: type[ModelT], path: str | Path, config: ModelConfig | None = None, **overrides: object
+    ) -> ModelT:
         """A model from a local Hugging Face checkpoint directory (``config.json`` and
         ``*.safetensors``, sharded or not). Nothing is downloaded.
 
         ``overrides`` set the fields a checkpoint does not decide (``block_size``,
         ``total_blocks``, ``dtype``, ``device``); fields the engine cannot honour (biases,
         sliding windows, other RoPE scalings) are refused by name. See ``common.checkpoint``.
+        ``config``: the checkpoint's config already read (``checkpoint_config(path,
+        **overrides)``, as a front end does to check requests before the weights load), in
+        place of reading it again; as in Hugging Face's ``from_pretrained(config=...)``.
         """
-        from .checkpoint import checkpoint_config, load_checkpoint  # needs safetensors
+        from .checkpoint import checkpoint_config, read_weights  # needs safetensors
 
-        # The weights and the KV pool against the memory there is, before reading any weight.
-        check_memory(checkpoint_config(path, **overrides), weights=True)
-        cfg, weights = load_checkpoint(path, **overrides)
+        if config is not None and overrides:
+            raise TypeError("give config= or overrides, not both: the config already has them")
+        cfg = config if config is not None else checkpoint_config(path, **overrides)
+        check_memory(cfg, weights=True)  # the weights and the KV pool, before reading a weight
         model = cls(cfg)  # cfg.seed is None: shapes only, no random weights drawn
-        model.load_weights(weights)
+        model.load_weights(read_weights(path, cfg))
         return model
 
     @property

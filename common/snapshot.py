@@ -9,6 +9,7 @@ of the pool: it is a watcher's tool, and nothing in the round loop calls it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class PoolSnapshot:
     def ref_count(self, block_id: int) -> int:
         return self.ref_counts.get(block_id, 0)
 
-    @property
+    @cached_property
     def holders(self) -> dict[int, tuple[int, ...]]:
         """Block id -> the requests whose tables hold it, running ones first."""
         holders: dict[int, list[int]] = {}
@@ -32,3 +33,30 @@ class PoolSnapshot:
             for block in table:
                 holders.setdefault(block, []).append(request_id)
         return {block: tuple(ids) for block, ids in sorted(holders.items())}
+
+    @property
+    def in_use(self) -> int:
+        """Blocks that at least one request holds (the cache may hold them too)."""
+        return len(self.holders)
+
+    @property
+    def cached_only(self) -> list[int]:
+        """Blocks only the cache holds (ref_count 1): the evictable ones, in id order."""
+        return sorted(b for b in self.cached if b not in self.holders)
+
+    def problems(self) -> list[str]:
+        """Where the books do not balance: every block's ref_count must be the requests that
+        hold it plus one if the cache does, and free + in use + cached only = total."""
+        problems = []
+        for block in sorted(set(self.ref_counts) | set(self.holders) | self.cached):
+            owners = len(self.holders.get(block, ())) + (block in self.cached)
+            if self.ref_count(block) != owners:
+                problems.append(
+                    f"block {block}: ref_count {self.ref_count(block)}, but {owners} owners"
+                )
+        if self.num_free + self.in_use + len(self.cached_only) != self.total_blocks:
+            problems.append(
+                f"free {self.num_free} + in use {self.in_use} + cached only "
+                f"{len(self.cached_only)} != total {self.total_blocks}"
+            )
+        return problems

@@ -561,7 +561,7 @@ MUTANTS = [
       "if limit is None or prompt_len + max_new_tokens < limit:",
       "a request exactly as long as the context is refused"),
     M("c-errors-no-interrupt", "step14", "common/errors.py",
-      "    except KeyboardInterrupt:\n        print(f\"\\n{prog}: interrupted\", file=sys.stderr)\n        return end_as_interrupted()\n",
+      "    except KeyboardInterrupt:\n        return interrupted(prog)\n",
       "", "Ctrl-C ends a command with a traceback", tests=("tests/core/test_guards.py",)),
     # ---- common/inputs.py: the request checks of every step (step14's tests stand for all) ----
     M("c-inputs-need-plus-one", "step14", "common/inputs.py",

@@ -73,7 +73,7 @@ def test_a_checkpoint_is_refused_before_its_weights_are_read(
     def never(*args: object, **kwargs: object) -> None:
         raise AssertionError("the weights were read before the memory check")
 
-    monkeypatch.setattr(common.checkpoint, "load_checkpoint", never)
+    monkeypatch.setattr(common.checkpoint, "read_weights", never)
     step = __import__(STEP_NAMES[-1])
     with pytest.raises(ResourceError, match="not enough memory"):
         step.TinyTransformerPaged.from_pretrained(toy_checkpoint, total_blocks=4096)
