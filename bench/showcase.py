@@ -17,6 +17,7 @@ from common.front.cli import (
     HelpFormatter,
     add_dtype_flag,
     add_memory_check_flag,
+    checkpoint_folder,
     device_name,
     dtype_value,
     non_negative_int,
@@ -24,7 +25,6 @@ from common.front.cli import (
     writable_folder,
 )
 from common.front.steps import FIXES, available_steps
-from common.front.text import model_dir_arg
 from common.front.workload import PRESSURE_EOS_AT
 from common.memory import check_memory
 from common.reference import ReferenceModel, reference_generate
@@ -106,7 +106,7 @@ def model_name(text: str) -> str:
     if text in PRESETS:
         return text
     try:
-        return model_dir_arg(text)
+        return checkpoint_folder(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
             f"{text!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory "

@@ -1,19 +1,20 @@
-"""The chapter's demo with this step's engine: ``python -m <this step>.run`` (``--help``).
+"""``python -m <this step>.run``: the chapter's demo with this step's engine, or, with ``--model
+DIR``, a checkpoint's text (``--help``, and ``--model DIR --help``).
 
-The demo is the same for every step, so it lives in ``common/front/demo.py``; only the engine it
-drives, this step's, differs.
+The front ends are the same for every step, so they live in ``common/front/``; only the engine
+they drive, this step's, differs.
 """
 
 from __future__ import annotations
 
 import sys
 
-from common.front import demo
+from common.front import main as front_ends
 
 
 def main(argv: list[str] | None = None) -> int:
-    return demo.main(__package__, argv)
+    return front_ends.main(__package__, argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(front_ends.run_command(__package__))

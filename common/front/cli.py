@@ -1,17 +1,21 @@
-"""Command-line checks shared by every step's demo (``run.py``) and ``python -m bench``.
+"""The flags every command shares, defined once: ``run.py`` (the demo and the text front end),
+``python -m bench`` and the server take them from here.
 
 They live in ``common/`` because a step must stand on its own: ``python -m step14_3.run`` may
 import what never changes between steps, never the benchmark package.
 
-Each function below is an argparse ``type=``: it turns the text of one flag into its value or
-raises ``argparse.ArgumentTypeError``, which argparse prints as one ``error:`` line before it
+Most functions below are an argparse ``type=``: they turn the text of one flag into its value
+or raise ``argparse.ArgumentTypeError``, which argparse prints as one ``error:`` line before it
 exits with status 2. A bad value therefore stops the program before any model is built, instead
-of surfacing minutes later as a traceback (or, worse, as a negative tokens/s).
+of surfacing minutes later as a traceback (or, worse, as a negative tokens/s). The flags of a
+group (the engine's, the trace's) are read once into a frozen options object
+(``EngineOptions``, ``TraceOptions``) that the rest of the program reads instead of the flags.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import tempfile
@@ -21,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint import CONFIG_FILE
 from ..config import DTYPES
 from ..memory import SKIP_ENV
 
@@ -127,6 +132,44 @@ def why_unwritable(folder: str | Path, file: str | Path | None = None) -> str | 
     return None
 
 
+def checkpoint_folder(text: str) -> str:
+    """``--model DIR``: a directory holding ``config.json`` (nothing is downloaded)."""
+    if not (Path(text).expanduser() / CONFIG_FILE).is_file():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a checkpoint directory (no {CONFIG_FILE} in it); nothing is "
+            "downloaded: give a local directory"
+        )
+    return text
+
+
+def png_path(text: str) -> str:
+    """A file a picture can be written to: its folder exists and takes a file."""
+    folder = os.path.dirname(text) or "."
+    if not text:
+        raise argparse.ArgumentTypeError("an empty file name")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file name")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{text!r}: there is no directory {folder!r}")
+    why = why_unwritable(folder, text)  # what writing there would say, without the picture
+    if why:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: cannot write there ({why}); choose another file"
+        )
+    return text
+
+
+def text_of(flag: str) -> Callable[[str], str]:
+    """A type for a flag whose text must not be empty (``--prompt ""`` asks for nothing)."""
+
+    def parse(text: str) -> str:
+        if not text:
+            raise argparse.ArgumentTypeError(f"an empty {flag}: give it some text")
+        return text
+
+    return parse
+
+
 def plural(count: int, word: str) -> str:
     """``plural(1, "token")`` -> "1 token", ``plural(2, "token")`` -> "2 tokens"."""
     return f"{count} {word}{'' if count == 1 else 's'}"
@@ -210,6 +253,22 @@ class EngineOptions:
         given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         return cls(**given)
 
+    def model_overrides(self) -> dict[str, object]:
+        """The options that build the model (``from_pretrained``'s overrides, a preset's
+        changes): where it runs, its dtype, its KV pool and context; None keeps the config's."""
+        return {
+            name: getattr(self, name) for name in MODEL_OPTIONS if getattr(self, name) is not None
+        }
+
+    def set_threads(self) -> None:
+        """torch's CPU threads, for the whole process (0 leaves torch's default)."""
+        if self.threads:
+            torch.set_num_threads(self.threads)
+
+
+# The engine options that shape the model, rather than the engine that serves it.
+MODEL_OPTIONS = ("device", "dtype", "block_size", "total_blocks", "max_model_len")
+
 
 ENGINE_FLAGS: dict[str, tuple[Callable[[str], object], str, str]] = {
     # dest: (type, metavar, help)
@@ -258,3 +317,41 @@ def add_engine_flags(
             flag = "--" + dest.replace("_", "-")
             default = defaults.get(dest, getattr(base, dest))
             parser.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
+
+
+# ---- the trace flags: --trace and --trace-png, for the demo and the text front end -------------
+
+
+@dataclass(frozen=True)
+class TraceOptions:
+    """``--trace`` (the run printed round by round) and ``--trace-png FILE`` (drawn)."""
+
+    show: bool = False
+    png: str | None = None
+
+    @property
+    def wanted(self) -> bool:
+        return self.show or self.png is not None
+
+
+def add_trace_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="print a run round by round: every block each request adopts, allocates, caches "
+        "and frees, and the pool after each round",
+    )
+    parser.add_argument(
+        "--trace-png",
+        type=png_path,
+        metavar="FILE",
+        help="draw the traced run as a PNG: blocks x rounds, each cell coloured by what holds "
+        "the block (needs matplotlib: pip install -e '.[plot]')",
+    )
+
+
+def trace_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> TraceOptions:
+    """The trace flags, checked (a picture needs matplotlib) and read."""
+    if args.trace_png is not None and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--trace-png needs matplotlib: pip install -e '.[plot]'")
+    return TraceOptions(args.trace, args.trace_png)

@@ -1,25 +1,12 @@
-"""The demo of the chapter "Paged Prefix Cache", for any step: ``python -m <step>.run`` calls
-``main`` with its own step's name (``--help`` for the flags). It lives here, not in the steps,
-because it is the same for all of them: only the step's classes differ.
-
-Ten requests share a prefix. Served one at a time through one engine, the first misses and
-caches the prefix and the other nine hit it (cold round, 9/10); served again, all ten hit (hot
-round, 10/10). A third round with the prefix cache off shows what the cache saves. Outputs must
-not change, and at rest every block must be free or cached. Then the same requests go through
-the batched engine, which must give the same tokens.
-
-With ``--model DIR`` (a local Hugging Face Llama checkpoint) it serves real text instead:
-``--prompt`` requests behind a shared ``--system`` prompt (``common/front/text.py``).
-
-``--trace`` prints one run round by round, every block that moved (``common/front/trace.py``), and
-``--trace-png FILE`` draws it, blocks x rounds (``common/front/trace_plot.py``).
+"""The chapter's demo, for any step: ``python -m <step>.run`` without ``--model``. It lives
+here, not in the steps, because it is the same for all of them: only the step's classes
+differ. ``DESCRIPTION`` (its ``--help``) says what it does; the trace it prints and draws is
+``trace.py``'s and ``trace_plot.py``'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import os
 import textwrap
 import time
 from collections.abc import Callable
@@ -29,22 +16,25 @@ from typing import Protocol
 
 import torch
 
-from ..config import DTYPES, PRESETS, ModelConfig, preset
-from ..errors import report_user_errors
-from ..inputs import blocks_for_request
+from ..config import PRESETS, ModelConfig, preset
+from ..device import synchronize
+from ..errors import RequestError, report_user_errors
+from ..inputs import blocks_for_request, check_fits_pool
 from ..memory import check_memory
 from ..reference import ReferenceModel, reference_generate
 from ..stats import EngineStats
 from .cli import (
+    EngineOptions,
     HelpFormatter,
+    TraceOptions,
     add_engine_flags,
+    add_trace_flags,
     plural,
     positive_int,
-    why_unwritable,
+    trace_options,
 )
 from .steps import load_step
-from .text_cli import add_model_args, check_text_args, run_text
-from .trace import RoundTrace, RoundTracer, format_trace, trace_header
+from .trace import RoundTrace, RoundTracer, show_trace
 from .workload import demo_prompts
 
 DESCRIPTION = """\
@@ -54,19 +44,16 @@ cache, chunked prefill and continuous batching in one engine.
 Ten requests share a 3-block prefix. Served one at a time, the first misses and caches the
 prefix and the other nine hit it (cold round, 9/10); served again, all ten hit (hot round,
 10/10); a round with the prefix cache off shows what the cache saves. Then the batched engine
-serves them together. Every round must produce the same tokens as the dense reference model.
+serves them together, in a roomy pool and in a small one. Every round must produce the same
+tokens as the dense reference model.
 
-With --model DIR (a local Hugging Face Llama checkpoint: config.json, *.safetensors,
-tokenizer.json) it serves real text instead: each --prompt behind the shared --system prompt
-(or --prompt-file's lines, or --messages conversations), through this step's engine, greedy or
-sampled (--temperature, --top-p, --top-k), all at once or --stream'ed; --seed then seeds the
-sampling, the other flags keep their meaning.
-
---trace prints a run round by round: each request's work (the cached blocks it adopted, the
+--trace prints a round block by block: each request's work (the cached blocks it adopted, the
 chunk or token it computed, the blocks it allocated, cached and freed, a preemption) and the
 pool after the round, with the ref_count of every block that moved. --trace-png FILE draws the
-same run as a picture, blocks x rounds. The demo traces the batched round (again, after the
-timed rounds); with --model, the run that serves the prompts.
+same round as a picture, blocks x rounds.
+
+With --model DIR (a local Hugging Face Llama checkpoint) the same command serves real text
+instead: --model DIR --help lists its flags.
 """
 
 TRACE_ROUNDS = {
@@ -77,91 +64,75 @@ TRACE_ROUNDS = {
 Generate = Callable[[list[list[int]], int], list[list[int]]]
 
 
-def parse_args(step_name: str, argv: list[str] | None) -> argparse.Namespace:
-    """The flags, every value checked here: a bad one exits 2 with one ``error:`` line."""
-    p = argparse.ArgumentParser(
-        prog=f"python -m {step_name}.run", description=DESCRIPTION, formatter_class=HelpFormatter
+@dataclass(frozen=True)
+class DemoOptions:
+    """The demo's flags, read once: the engine's, the answers' length, what to trace."""
+
+    engine: EngineOptions
+    max_new_tokens: int = 16
+    trace: TraceOptions = field(default_factory=TraceOptions)
+    trace_round: str = "batched"  # a key of TRACE_ROUNDS
+
+    def config(self) -> ModelConfig:
+        """The demo model: the "demo" preset, on the engine options' device, dtype and pool."""
+        return preset("demo", seed=self.engine.seed, **self.engine.model_overrides())
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    """The demo's flags: the engine's, ``--max-new-tokens`` and the trace's."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=DESCRIPTION, formatter_class=HelpFormatter
     )
-    add_engine_flags(p, max_running=4)
-    p.add_argument(
+    add_engine_flags(parser, max_running=4)
+    parser.add_argument(
         "--max-new-tokens",
         type=positive_int,
         default=16,
         metavar="N",
         help="tokens generated per request",
     )
-    add_model_args(p)
-    p.add_argument(
-        "--trace",
-        action="store_true",
-        help="print a run round by round: every block each request adopts, allocates, caches "
-        "and frees, and the pool after each round",
-    )
-    p.add_argument(
-        "--trace-png",
-        type=png_path,
-        metavar="FILE",
-        help="draw the traced run as a PNG: blocks x rounds, each cell coloured by what holds "
-        "the block (needs matplotlib: pip install -e '.[plot]')",
-    )
-    p.add_argument(
+    add_trace_flags(parser)
+    parser.add_argument(
         "--trace-round",
         choices=list(TRACE_ROUNDS),
         default=None,
-        help="the demo round that --trace and --trace-png show: batched (a roomy pool: the "
+        help="the round that --trace and --trace-png show: batched (a roomy pool: the "
         "leapfrog through the shared prefix) or small-pool (preemption and eviction)",
     )
-    args = p.parse_args(argv)
-    if args.trace_png is not None and importlib.util.find_spec("matplotlib") is None:
-        p.error("--trace-png needs matplotlib: pip install -e '.[plot]'")
-    if args.trace_round is not None and not (args.trace or args.trace_png is not None):
-        p.error("--trace-round chooses what --trace or --trace-png shows: give one of them")
-    check_text_args(p, args)
-    if args.model is not None:
-        if args.trace_round is not None:
-            p.error(
-                "--trace-round is for the demo's rounds: with --model the trace shows the "
-                "prompts being served"
-            )
-        return args  # real text: common/front/text.py checks each request before loading
+    return parser
+
+
+def read_options(parser: argparse.ArgumentParser, argv: list[str]) -> DemoOptions:
+    """The flags, checked (a bad one exits 2 with one ``error:`` line) and read, before any
+    model is built: also whether the pool holds the longest demo request."""
+    args = parser.parse_args(argv)
+    trace = trace_options(parser, args)
+    if args.trace_round is not None and not trace.wanted:
+        parser.error("--trace-round chooses what --trace or --trace-png shows: give one of them")
     if args.dtype == "auto":
-        p.error("--dtype auto needs --model DIR: it means the dtype the checkpoint is stored in")
-    args.trace_round = args.trace_round or "batched"
-    if args.system is not None or args.prompt:
-        p.error("--system and --prompt need --model DIR (a checkpoint): the demo has its own")
-    if args.no_chat_template:
-        p.error("--no-chat-template needs --model DIR (a checkpoint with a chat template)")
-    need = blocks_for_longest_request(args.block_size, args.max_new_tokens)
-    if args.total_blocks < need:
-        p.error(
-            f"--total-blocks {args.total_blocks} is too small: the longest demo request needs "
-            f"{need} blocks of {args.block_size} tokens"
+        parser.error(
+            "--dtype auto needs --model DIR: it means the dtype the checkpoint is stored in"
         )
-    return args
+    options = DemoOptions(
+        EngineOptions.from_args(args), args.max_new_tokens, trace, args.trace_round or "batched"
+    )
+    try:
+        check_fits_pool(
+            longest_prompt(options.engine.block_size), options.max_new_tokens, options.config()
+        )
+    except RequestError as exc:
+        parser.error(f"the longest demo request does not fit: {exc}")
+    return options
 
 
-def png_path(text: str) -> str:
-    """A file the picture can be written to: its folder exists and is writable."""
-    folder = os.path.dirname(text) or "."
-    if not text:
-        raise argparse.ArgumentTypeError("an empty file name")
-    if os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file name")
-    if not os.path.isdir(folder):
-        raise argparse.ArgumentTypeError(f"{text!r}: there is no directory {folder!r}")
-    why = why_unwritable(folder, text)  # what writing there would say, without the picture
-    if why:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: cannot write there ({why}); choose another file"
-        )
-    return text
+def longest_prompt(block_size: int) -> int:
+    return max(len(p) for p in demo_prompts(PRESETS["demo"].vocab_size, block_size))
 
 
 def blocks_for_longest_request(block_size: int, max_new_tokens: int) -> int:
     """The smallest pool that can serve the demo: a request holds its blocks for its whole life
     (every token whose KV is written; the last generated token never is)."""
-    longest = max(len(p) for p in demo_prompts(PRESETS["demo"].vocab_size, block_size))
-    return blocks_for_request(longest, max_new_tokens, block_size)
+    return blocks_for_request(longest_prompt(block_size), max_new_tokens, block_size)
 
 
 def mark(ok: bool) -> str:
@@ -223,8 +194,7 @@ def timed_round(
     engine.reset_stats()
     start = time.perf_counter()
     outputs = run(prompts, n)
-    if engine.model.cfg.device != "cpu":
-        torch.cuda.synchronize()  # GPU work is asynchronous: wait for it before reading the clock
+    synchronize(engine.model.cfg.device)  # a GPU's work is asynchronous: wait for it first
     ms = (time.perf_counter() - start) * 1000
     s = engine.stats
     hits = f"{s.hit_rate:.0%} ({s.requests_hit}/{s.requests})"
@@ -279,50 +249,27 @@ def warm_up(step: ModuleType, model: torch.nn.Module, prompt: list[int]) -> None
     step.PagedPrefixCacheEngine(model, enable_prefix_cache=False).generate([prompt], 2)
 
 
-def main(step_name: str, argv: list[str] | None = None) -> int:
-    """``python -m <step_name>.run``: the demo, or real text with ``--model DIR``. A problem
-    with what was given is one ``error:`` line and status 1; Ctrl-C, one line and 130."""
-    args = parse_args(step_name, argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    return report_user_errors(f"python -m {step_name}.run", lambda: run_demo(step_name, args))
+def run(step_name: str, options: DemoOptions) -> int:
+    """The demo: its rounds, its checks, and the trace when asked. Its exit status is its
+    checks' (1 when one fails); a pool the machine cannot hold is one ``error:`` line."""
+    options.engine.set_threads()
+    return report_user_errors(f"python -m {step_name}.run", lambda: run_demo(step_name, options))
 
 
-def run_demo(step_name: str, args: argparse.Namespace) -> int:
-    """The demo's rounds, its checks, and the trace when asked; or ``--model DIR``'s text."""
-    tracing = args.trace or args.trace_png is not None
-    if args.model is not None:
-        return serve_text(step_name, args, tracing)
-    step = load_step(step_name)
-    cfg = preset(
-        "demo",
-        device=args.device,
-        dtype=DTYPES[args.dtype],
-        block_size=args.block_size,
-        total_blocks=args.total_blocks,
-        seed=args.seed,
-        max_model_len=args.max_model_len,
-    )
+def run_demo(step_name: str, options: DemoOptions) -> int:
+    step, cfg = load_step(step_name), options.config()
     check_memory(cfg)  # before the banner: a pool the machine cannot hold is the only line
     prompts = demo_prompts(cfg.vocab_size, cfg.block_size)
-    print(banner(step_name, cfg, len(prompts), args.max_new_tokens))
-    rounds = run_rounds(step, cfg, prompts, args)
+    print(banner(step_name, cfg, len(prompts), options.max_new_tokens))
+    rounds = run_rounds(step, cfg, prompts, options)
     print()
     print(what_the_numbers_mean(rounds.cold.stats, rounds.hot.stats, rounds.off.stats))
     print(what_preemption_cost(rounds.batched.stats, rounds.small_pool.stats))
     status = print_checks(cfg, rounds)
-    if tracing:
-        show_trace(step_name, TRACE_ROUNDS[args.trace_round], traced_round(step, cfg, args), args)
-    return status
-
-
-def serve_text(step_name: str, args: argparse.Namespace, tracing: bool) -> int:
-    """``--model DIR``: real text through the step's engine, traced on request."""
-    tracers: list[RoundTracer] = []  # one, attached before the engine serves anything
-    attach = (lambda engine: tracers.append(RoundTracer(engine))) if tracing else None
-    status = run_text(step_name, args, on_engine=attach)
-    if tracers and status == 0:
-        show_trace(step_name, "serving the prompts", tracers[0].rounds, args)
+    if options.trace.wanted:
+        what = TRACE_ROUNDS[options.trace_round]
+        title = f"{step_name}: {what}, max_running={options.engine.max_running}"
+        show_trace(options.trace, what, traced_round(step, cfg, options), title)
     return status
 
 
@@ -349,15 +296,16 @@ class DemoRounds:
 
 
 def run_rounds(
-    step: ModuleType, cfg: ModelConfig, prompts: list[list[int]], args: argparse.Namespace
+    step: ModuleType, cfg: ModelConfig, prompts: list[list[int]], options: DemoOptions
 ) -> DemoRounds:
     """The chapter's rounds, each printed as it ends: cold, hot, cache off, batched; then the
     dense reference on the same prompts. The ref-count check is taken at rest after hot."""
-    n_new, engine_cls = args.max_new_tokens, step.PagedPrefixCacheEngine
+    n_new, engine_cls = options.max_new_tokens, step.PagedPrefixCacheEngine
+    max_running = options.engine.max_running
     with torch.inference_mode():
         model = step.TinyTransformerPaged(cfg)
         warm_up(step, model, prompts[0][-cfg.block_size :])
-        engine = engine_cls(model, max_running=args.max_running)
+        engine = engine_cls(model, max_running=max_running)
         serial = engine.generate_serial
         cold = timed_round("Round 1 (cold cache), serial", engine, serial, prompts, n_new)
         hot = timed_round("Round 2 (hot cache), serial", engine, serial, prompts, n_new)
@@ -365,10 +313,10 @@ def run_rounds(
         off_engine = engine_cls(model, enable_prefix_cache=False)
         off_run = off_engine.generate_serial
         off = timed_round("Round 3 (cache off), serial", off_engine, off_run, prompts, n_new)
-        batched = engine_cls(model, max_running=args.max_running)
-        label = f"Batched (max_running={args.max_running}), cold"
+        batched = engine_cls(model, max_running=max_running)
+        label = f"Batched (max_running={max_running}), cold"
         batched_round = timed_round(label, batched, batched.generate, prompts, n_new)
-        small_pool = small_pool_round(step, model, prompts, args)
+        small_pool = small_pool_round(step, model, prompts, options)
         reference = reference_generate(ReferenceModel(cfg), prompts, n_new)
     return DemoRounds(cold, hot, off, batched_round, small_pool, reference)
 
@@ -380,17 +328,21 @@ def small_pool_blocks(block_size: int, max_new_tokens: int) -> int:
     return (3 * need + 1) // 2
 
 
+def small_pool_config(cfg: ModelConfig, max_new_tokens: int) -> ModelConfig:
+    return cfg.replace(total_blocks=small_pool_blocks(cfg.block_size, max_new_tokens))
+
+
 def small_pool_round(
-    step: ModuleType, model: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace
+    step: ModuleType, model: torch.nn.Module, prompts: list[list[int]], options: DemoOptions
 ) -> Round:
     """The batched round again, in a pool too small for the running set: memory on demand,
     preemption of the youngest, recompute (cheap: the cache gives the full blocks back)."""
-    cfg = model.cfg.replace(total_blocks=small_pool_blocks(args.block_size, args.max_new_tokens))
+    cfg = small_pool_config(model.cfg, options.max_new_tokens)
     small = step.TinyTransformerPaged(cfg)
     small.load_state_dict(model.state_dict())  # the same weights, a smaller KV pool
-    engine = step.PagedPrefixCacheEngine(small, max_running=args.max_running)
+    engine = step.PagedPrefixCacheEngine(small, max_running=options.engine.max_running)
     label = f"Batched, {cfg.total_blocks}-block pool"
-    small = timed_round(label, engine, engine.generate, prompts, args.max_new_tokens)
+    small = timed_round(label, engine, engine.generate, prompts, options.max_new_tokens)
     s = small.stats
     print(
         f"{'':<30}   {plural(s.preemptions, 'preemption')}, "
@@ -450,33 +402,16 @@ def print_checks(cfg: ModelConfig, rounds: DemoRounds) -> int:
 # ---- --trace and --trace-png ------------------------------------------------------------------
 
 
-def traced_round(step: ModuleType, cfg: ModelConfig, args: argparse.Namespace) -> list[RoundTrace]:
+def traced_round(step: ModuleType, cfg: ModelConfig, options: DemoOptions) -> list[RoundTrace]:
     """The round ``--trace-round`` names, run once more through a traced engine (after the timed
     rounds, so that tracing costs them nothing): its ``RoundTrace`` records."""
-    if args.trace_round == "small-pool":
-        cfg = cfg.replace(total_blocks=small_pool_blocks(args.block_size, args.max_new_tokens))
+    if options.trace_round == "small-pool":
+        cfg = small_pool_config(cfg, options.max_new_tokens)
     prompts = demo_prompts(cfg.vocab_size, cfg.block_size)
     with torch.inference_mode():
         engine = step.PagedPrefixCacheEngine(
-            step.TinyTransformerPaged(cfg), max_running=args.max_running
+            step.TinyTransformerPaged(cfg), max_running=options.engine.max_running
         )
         tracer = RoundTracer(engine)
-        engine.generate(prompts, args.max_new_tokens)
+        engine.generate(prompts, options.max_new_tokens)
     return tracer.rounds
-
-
-def show_trace(
-    step_name: str, what: str, rounds: list[RoundTrace], args: argparse.Namespace
-) -> None:
-    """``--trace``: the rounds as text; ``--trace-png``: the picture."""
-    if args.trace:
-        print()
-        print(trace_header(what, rounds))
-        print()
-        print(format_trace(rounds))
-    if args.trace_png is not None:
-        from .trace_plot import draw_pool  # matplotlib: only when a picture is asked for
-
-        title = f"{step_name}: {what}, max_running={args.max_running}"
-        path = draw_pool(rounds, args.trace_png, title)
-        print(f"\nThe pool, blocks x rounds: {path}")

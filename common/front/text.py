@@ -1,33 +1,23 @@
 """Text in, text out: a real checkpoint's tokenizer around any step's engine.
 
-``generate_text(step, model_dir, prompts, system=...)`` tokenizes with the checkpoint's
-``tokenizer.json``, serves the requests through the step's ``PagedPrefixCacheEngine``, stops
-each at the first of the checkpoint's eos ids and decodes. ``run.py --model DIR`` (every step)
-uses its parts through ``text_cli.py``, the command line's flags and printing.
+``TextCodec`` is the checkpoint's text side, loaded once: it turns a prompt (written in the
+checkpoint's chat template when it has one, ``chat.py``) or a whole conversation into token
+ids, and an answer's ids back into text. ``generate_text(step, model_dir, prompts,
+TextOptions(...))`` serves the prompts through the step's engine, round by round as a server
+drives it, and decodes; ``run.py --model DIR`` (``text_cli.py``) does the same from its flags.
 
-When the checkpoint carries a chat template (``common/front/chat.py``), the shared ``system`` prompt
-and each prompt become chat messages in the model's own markup, ending with the header of the
-assistant's turn; otherwise (or with ``chat_template=False``, ``--no-chat-template``) a prompt
-is a plain completion behind the system prompt. Either way every request starts with the same
-token ids for the shared part, so the prefix cache serves its full blocks. A prompt may also be
-a whole conversation, a list of chat messages (``--messages FILE``), multi-turn.
+Requests behind one system prompt begin with the same token ids, so the prefix cache serves its
+full blocks. Everything that can be checked without the weights is checked before they are
+read (the config, the tokenizer, the template, every request against the context and the KV
+pool, the weights' names and shapes): a mistake costs a second, not the minutes a large model
+takes to load.
 
-Each request is decoded as ``SamplingParams`` say (greedy unless ``--temperature`` > 0; vLLM's
-names), and the engine is driven round by round (``add_request``, then ``step()``): each
-round's ``RequestOutput``s say which tokens came and why a request ended, and ``--stream``
-prints the text as it grows (``common/front/stream.py``).
-
-Everything that can be checked without the weights is checked before they are read (the
-config, the weight files, the tokenizer, the template, every request against the KV pool): a
-mistake costs a second, not the minutes a large model takes to load.
-
-Needs ``tokenizers`` and ``safetensors`` (``pip install -e '.[real]'``), and ``jinja2`` for
-a chat template.
+Needs ``tokenizers`` and ``safetensors`` (``pip install -e '.[real]'``), and ``jinja2`` for a
+chat template.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,16 +30,14 @@ import torch
 from ..checkpoint import check_stored_shapes, checkpoint_config, checkpoint_dir, eos_token_ids
 from ..config import ModelConfig
 from ..errors import CheckpointError, MissingPackageError, RequestError
-from ..inputs import as_eos_ids, blocks_for_request, check_context_length, check_request
-from ..numbers import is_int
+from ..inputs import Request, as_eos_ids, check_request, sampling_params_per_prompt
 from ..sampling import RequestOutput, SamplingParams
 from .chat import ChatTemplate, Prompt, check_messages, load_chat_template, messages_for
-from .cli import plural
+from .cli import EngineOptions, plural
 from .steps import load_step
-from .stream import Decode, answer_ids, text_decoder
+from .stream import Decode, answer_ids, shorten, text_decoder
 
 TOKENIZER_FILE = "tokenizer.json"
-DEFAULT_MAX_NEW_TOKENS = 32  # generate_text's, when neither max_new_tokens nor sampling_params
 OnOutput = Callable[[int, RequestOutput], object]  # (the prompt's index, what a round made)
 # The fields of a config that say which network it is; the others size the KV pool or choose
 # where it runs, and may differ between a loaded model and its checkpoint's config.json.
@@ -139,7 +127,8 @@ class TextCodec:
         """
         if self.template is None:
             raise RequestError(
-                "a conversation is written in the checkpoint's chat template, and none is loaded",
+                "a conversation (--messages) is written in the checkpoint's chat template, and "
+                "none is loaded: the checkpoint has none, or chat_template=False was given",
                 "messages",
             )
         text = self.template.render(check_messages(messages))
@@ -168,6 +157,31 @@ def common_prefix_len(sequences: list[list[int]]) -> int:
     return len(shortest)
 
 
+@dataclass(frozen=True)
+class TextOptions:
+    """What ``generate_text`` takes besides the prompts (and what ``run.py --model DIR``'s flags
+    give): how each prompt becomes a request, how it is decoded, and the engine that serves it.
+
+    ``system``: a system prompt every text prompt shares (a conversation brings its own).
+    ``max_new_tokens`` decodes greedily (None, and no ``sampling_params``: 16, vLLM's default);
+    ``sampling_params`` decodes as it says, one for every prompt or a list with one per prompt;
+    not both, since they could disagree. ``eos_token_id``: None stops at the checkpoint's eos
+    ids, an id or a collection of ids replaces them, ``()`` means none.
+    ``chat_template=False`` serves plain completions even when the checkpoint has a template.
+    ``engine``: where the model runs, its KV pool, the running set, the seed that requests
+    without their own draw from, and torch's CPU threads: one by default, since on a machine
+    that other programs share two threads wait for each other at every small matmul (50x
+    slower was measured); 0 leaves torch's own setting.
+    """
+
+    system: str | None = None
+    max_new_tokens: int | None = None
+    sampling_params: SamplingParams | list[SamplingParams] | None = None
+    eos_token_id: object = None
+    chat_template: bool = True
+    engine: EngineOptions = field(default_factory=EngineOptions)
+
+
 @dataclass
 class TextResult:
     """What ``generate_text`` returns: the texts, their token ids and the engine's figures."""
@@ -184,147 +198,134 @@ class TextResult:
     chat_template: str | None = None  # where the applied chat template came from, or None
     # why each request ended: "stop" (an eos or stop id) or "length" (max tokens reached)
     finish_reasons: list[str] = field(default_factory=list)
+    # Why the text the prompts share came from no cache: shorter than a block (``cache_note``).
+    cache_note: str | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class TextRequests:
     """Requests ready to serve, checked without reading a single weight."""
 
+    folder: Path  # the checkpoint
+    cfg: ModelConfig  # what the model will be built with
     codec: TextCodec
-    prompt_ids: list[list[int]]
-    eos: list[int]
+    prompts: list[Prompt]
+    requests: list[Request]  # one per prompt, as the engine takes it
+    eos_token_ids: list[int]
     system_tokens: int
-    chat_template: str | None
-    sampling_params: list[SamplingParams]  # one per request
 
 
-def check_prompt_list(prompts: object) -> list[Prompt]:
-    """``prompts`` as a list of strings or conversations (lists of chat messages); one bare
-    string is refused (it would otherwise be served as one request per character)."""
-    if isinstance(prompts, str):
-        raise ValueError(
-            f"prompts must be a list of strings, got one str ({prompts[:40]!r}); "
-            f"for one prompt write [{prompts[:40]!r}]"
-        )
-    prompts = list(prompts)  # type: ignore[call-overload]
-    bad = [type(p).__name__ for p in prompts if not isinstance(p, (str, list))]
-    if bad:
-        raise ValueError(
-            f"prompts must be strings (or conversations: lists of chat messages), got a {bad[0]}"
-        )
-    if not prompts:
-        raise ValueError("give at least one prompt")
-    for i, prompt in enumerate(prompts):
-        if isinstance(prompt, list):
-            try:
-                check_messages(prompt)
-            except ValueError as exc:
-                raise ValueError(f"prompt {i + 1}: {exc}") from None
-    return prompts
+def generate_text(
+    step: ModuleType | str,
+    model_dir: str | Path,
+    prompts: list[Prompt],
+    options: TextOptions | None = None,
+    *,
+    model: torch.nn.Module | None = None,
+    on_engine: Callable[[Any], object] | None = None,
+    on_output: OnOutput | None = None,
+) -> TextResult:
+    """Serve ``prompts`` through ``step``'s engine (a step package, or its name) with the
+    weights of ``model_dir``, and decode: text in, text out.
 
+    Args:
+        prompts: strings, or conversations: lists of chat messages (``{"role": ...,
+            "content": ...}``) ending with the turn the model answers, written in the
+            checkpoint's chat template (it needs one). One bare string is refused.
+        options: ``TextOptions``: the system prompt, greedy or sampled decoding, the eos ids,
+            the chat template, the engine.
+        model: the checkpoint already loaded (``from_pretrained``), to reuse its weights; an
+            engine option that would build another model is then refused, not ignored.
+        on_engine: called with the engine before it serves anything (``run.py --trace``
+            attaches a ``common.front.trace.RoundTracer`` there).
+        on_output: called as ``on_output(index, output)`` with each ``RequestOutput`` of each
+            round as it comes (``index``: the prompt's place in ``prompts``);
+            ``common.front.stream.StreamPrinter`` streams the text from there.
 
-def sampling_params_for(
-    num_prompts: int,
-    max_new_tokens: object = None,
-    sampling_params: SamplingParams | list[SamplingParams] | None = None,
-) -> list[SamplingParams]:
-    """One ``SamplingParams`` per request: ``sampling_params`` (one for all, or a list with one
-    per prompt), or greedy decoding of ``max_new_tokens`` (None: 32) tokens; not both, since
-    ``max_new_tokens`` and ``sampling_params.max_tokens`` could disagree (the engine's rule)."""
-    if sampling_params is None:
-        n = DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
-        if not is_int(n) or n < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {n!r}")
-        return [SamplingParams(max_tokens=int(n))] * num_prompts
-    if max_new_tokens is not None:
-        raise ValueError(
-            "give max_new_tokens or sampling_params (its max_tokens), not both: "
-            f"got max_new_tokens={max_new_tokens!r}"
-        )
-    given = sampling_params if isinstance(sampling_params, list) else [sampling_params]
-    bad = [type(p).__name__ for p in given if not isinstance(p, SamplingParams)]
-    if bad:
-        raise ValueError(f"sampling_params must be SamplingParams, got a {bad[0]}")
-    if len(given) == 1:
-        return given * num_prompts
-    if len(given) != num_prompts:
-        raise ValueError(
-            f"{len(given)} sampling_params for {num_prompts} prompts: give one for all, or one "
-            "per prompt"
-        )
-    return given
+    Returns:
+        A ``TextResult``. Everything but the weights is checked before they load: a
+        ``RequestError`` or ``CheckpointError`` (both ``ValueError``) says what is wrong.
+    """
+    options = options or TextOptions()
+    options.engine.set_threads()
+    requests = prepare_requests(model_dir, prompts, options, model)
+    step = load_step(step) if isinstance(step, str) else step
+    if model is None:
+        model = step.TinyTransformerPaged.from_pretrained(requests.folder, config=requests.cfg)
+    return serve(step, model, requests, options.engine, on_engine, on_output)
 
 
 def prepare_requests(
     model_dir: str | Path,
     prompts: list[Prompt],
-    system: str | None,
-    max_new_tokens: int | None,
-    cfg: ModelConfig,
-    chat_template: bool = True,
-    eos_token_id: object = None,
-    sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    options: TextOptions,
+    model: torch.nn.Module | None = None,
 ) -> TextRequests:
-    """Tokenize and check every request against ``cfg`` (its vocabulary and KV pool): the
-    slow part (loading the weights) starts only when all of this passed. A conversation
-    among ``prompts`` needs the checkpoint's chat template, and brings its own system message
-    (``system`` is refused with one)."""
-    params = sampling_params_for(len(prompts), max_new_tokens, sampling_params)
+    """Everything but the weights, checked: the config (the model's, or the checkpoint's with
+    the engine options), the tokenizer and template, every request against the config (its
+    vocabulary, context length and KV pool), the weight files' names and shapes. The slow
+    part, loading the weights, starts only when all of this passed."""
+    prompts = check_prompt_list(prompts)
     folder = checkpoint_dir(model_dir)
-    codec = TextCodec.load(folder, chat_template)
-    check_conversations(prompts, system, codec.template, chat_template, folder)
-    prompt_ids = [codec.encode(prompt, system) for prompt in prompts]
-    eos = (
-        codec.eos_token_ids
-        if eos_token_id is None
-        else sorted(as_eos_ids(eos_token_id, cfg.vocab_size))
-    )
-    check_text_requests(prompts, prompt_ids, params, eos, cfg)
+    cfg = model_config_for(folder, model, options.engine)
+    codec = TextCodec.load(folder, options.chat_template)
+    prompt_ids = [codec.encode(prompt, options.system) for prompt in prompts]
+    eos = codec.eos_token_ids
+    if options.eos_token_id is not None:
+        eos = sorted(as_eos_ids(options.eos_token_id, cfg.vocab_size))
+    requests = check_text_requests(prompts, prompt_ids, options, eos, cfg)
     check_stored_shapes(folder, cfg)  # the weight files' headers only: milliseconds
-    source = codec.template.source if codec.template is not None else None
-    shared = codec.system_tokens(system, prompt_ids)
-    return TextRequests(codec, prompt_ids, eos, shared, source, params)
+    system_tokens = codec.system_tokens(options.system, prompt_ids)
+    return TextRequests(folder, cfg, codec, prompts, requests, eos, system_tokens)
 
 
-def check_conversations(
-    prompts: list[Prompt],
-    system: str | None,
-    template: ChatTemplate | None,
-    chat_template: bool,
-    folder: Path,
-) -> None:
-    """A conversation is written in the checkpoint's chat markup, so it needs the template,
-    and it has its own system message, if any, so ``system`` would be a second one."""
-    if all(isinstance(p, str) for p in prompts):
-        return
-    if system is not None:
-        raise ValueError(
-            "system= is for text prompts: a conversation carries its own system message"
-        )
-    if template is None:
-        why = "chat_template=False was given" if not chat_template else f"{folder} has none"
+def check_prompt_list(prompts: object) -> list[Prompt]:
+    """``prompts`` as a list of strings or conversations (lists of chat messages); one bare
+    string is refused (it would otherwise be served as one request per character), and so is
+    an empty prompt (it asks for nothing)."""
+    if isinstance(prompts, str):
         raise RequestError(
-            f"a conversation (--messages) is written in the checkpoint's chat template, and {why}"
+            f"prompts must be a list of strings, got one str ({prompts[:40]!r}); "
+            f"for one prompt write [{prompts[:40]!r}]",
+            "prompts",
         )
+    prompts = list(prompts)  # type: ignore[call-overload]
+    bad = [type(p).__name__ for p in prompts if not isinstance(p, (str, list))]
+    if bad:
+        raise RequestError(
+            f"prompts must be strings (or conversations: lists of chat messages), got a {bad[0]}",
+            "prompts",
+        )
+    if not prompts:
+        raise RequestError("give at least one prompt", "prompts")
+    for i, prompt in enumerate(prompts):
+        if prompt == "":
+            raise RequestError(f"prompt {i + 1} is empty: give it some text", "prompts")
+        if isinstance(prompt, list):
+            try:
+                check_messages(prompt)
+            except ValueError as exc:
+                raise RequestError(f"prompt {i + 1}: {exc}", "prompts") from None
+    return prompts
 
 
 def check_text_requests(
     prompts: list[Prompt],
     prompt_ids: list[list[int]],
-    sampling_params: list[SamplingParams],
+    options: TextOptions,
     eos: list[int],
     cfg: ModelConfig,
-) -> None:
-    """Every request must be servable by a model of ``cfg``, or a ``RequestError`` (a
-    ``CheckpointError`` when the tokenizer and the model disagree) says which and why."""
-    for i, (prompt, ids, params) in enumerate(zip(prompts, prompt_ids, sampling_params)):
+) -> list[Request]:
+    """Every request as the engine will take it (``check_request``: its context length and the
+    KV pool among the rest), an error naming its prompt; ids outside the model's vocabulary
+    mean that the tokenizer is not the checkpoint's (a ``CheckpointError``)."""
+    max_new_tokens = options.max_new_tokens
+    if max_new_tokens is None and options.sampling_params is None:
+        max_new_tokens = SamplingParams().max_tokens
+    params = sampling_params_per_prompt(options.sampling_params, len(prompts))
+    requests = []
+    for i, (prompt, ids, sampling) in enumerate(zip(prompts, prompt_ids, params)):
         which = f"prompt {i + 1} ({_short(prompt)})"
-        max_new_tokens = params.max_tokens
-        if not ids:
-            raise RequestError(
-                f"{which} is empty once tokenized (this tokenizer adds no BOS token): "
-                "give it some text"
-            )
         outside = [t for t in ids if not 0 <= t < cfg.vocab_size]
         if outside:
             raise CheckpointError(
@@ -332,17 +333,12 @@ def check_text_requests(
                 f"(vocab_size={cfg.vocab_size}) lacks: tokenizer.json does not belong to this "
                 "checkpoint"
             )
-        # The context length first: past it, no pool size would help.
-        check_context_length(len(ids), int(max_new_tokens), cfg)
-        need = blocks_for_request(len(ids), int(max_new_tokens), cfg.block_size)
-        if need > cfg.total_blocks:
-            raise RequestError(
-                f"{which} is {len(ids)} tokens; with {max_new_tokens} new tokens it needs "
-                f"{need} KV blocks of {cfg.block_size} tokens, and the pool has "
-                f"{cfg.total_blocks}: raise --total-blocks (total_blocks=) to at least {need}, "
-                "or lower --max-new-tokens"
-            )
-        check_request(ids, None, eos, cfg, params)  # whatever else the engine would refuse
+        try:
+            requests.append(check_request(ids, max_new_tokens, eos, cfg, sampling))
+        except RequestError as exc:
+            exc.args = (f"{which}: {exc}",)  # the same error, and which prompt it is about
+            raise
+    return requests
 
 
 def _short(prompt: Prompt, limit: int = 30) -> str:
@@ -352,104 +348,54 @@ def _short(prompt: Prompt, limit: int = 30) -> str:
 
 
 def model_config_for(
-    model_dir: str | Path, model: torch.nn.Module | None, overrides: dict[str, Any]
+    folder: Path, model: torch.nn.Module | None, engine: EngineOptions
 ) -> ModelConfig:
-    """The config the requests are checked against: the given model's, or the checkpoint's
-    with ``overrides``. Both at once is refused: the model is built, the overrides would be
-    ignored."""
+    """The config the requests are checked against: the checkpoint's with the engine options,
+    or the given model's. With a model, an engine option that would build another model is
+    refused (it would be ignored), and so is a model of another network."""
     if model is None:
-        return checkpoint_config(model_dir, **overrides)
-    if overrides:
-        given = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
-        raise ValueError(
-            f"model= is already built, so {given} would be ignored: pass {given} to "
-            "from_pretrained, or leave model= out"
+        return checkpoint_config(folder, **engine.model_overrides())
+    defaults = EngineOptions().model_overrides()
+    changed = {k: v for k, v in engine.model_overrides().items() if defaults.get(k) != v}
+    if changed:
+        given = ", ".join(f"{k}={v!r}" for k, v in changed.items())
+        raise RequestError(
+            f"model= is already built, so the engine options {given} would be ignored: pass "
+            f"{given} to from_pretrained, or leave model= out",
+            "model",
         )
-    on_disk = checkpoint_config(model_dir)
+    on_disk = checkpoint_config(folder)
     differ = [f for f in NETWORK_FIELDS if getattr(on_disk, f) != getattr(model.cfg, f)]
     if differ:
-        raise ValueError(
-            f"model= does not match {model_dir}: {differ[0]} is "
+        raise RequestError(
+            f"model= does not match {folder}: {differ[0]} is "
             f"{getattr(model.cfg, differ[0])} in the model, {getattr(on_disk, differ[0])} in "
-            "the checkpoint"
+            "the checkpoint",
+            "model",
         )
     return model.cfg
 
 
-def generate_text(
-    step: ModuleType | str,
-    model_dir: str | Path,
-    prompts: list[Prompt],
-    system: str | None = None,
-    max_new_tokens: int | None = None,
-    max_running: int = 8,
-    model: torch.nn.Module | None = None,
-    eos_token_id: object = None,
-    chat_template: bool = True,
-    on_engine: Callable[[Any], object] | None = None,
-    threads: int | None = 1,
-    *,
-    sampling_params: SamplingParams | list[SamplingParams] | None = None,
-    seed: int = 0,
-    on_output: OnOutput | None = None,
-    **overrides: Any,
-) -> TextResult:
-    """Load ``model_dir`` into ``step``'s model (or use ``model``, loaded from it), serve
-    ``prompts`` (behind the shared ``system`` prompt) through the step's engine, and decode.
-
-    A prompt is a string, or a conversation: a list of chat messages (``{"role": ...,
-    "content": ...}``) ending with the turn the model answers, written in the checkpoint's chat
-    template (it needs one, and brings its own system message: no ``system`` with it).
-
-    ``overrides`` go to ``from_pretrained`` (``block_size``, ``total_blocks``, ``dtype``,
-    ``device``); with ``model`` they are refused. Each request ends at the first of the eos
-    ids or after its max tokens: ``eos_token_id`` None takes the checkpoint's (all of
-    them, when it lists several), an id or a collection of ids replaces them, ``()`` means
-    none. ``chat_template=False`` serves plain completions even when the checkpoint has a
-    chat template. ``on_engine`` is called with the engine before it serves anything
-    (``run.py --trace`` attaches a ``common.front.trace.RoundTracer`` there).
-
-    Decoding: greedy ``max_new_tokens`` tokens (None: 32), or as ``sampling_params`` say (one
-    ``SamplingParams`` for every prompt, or a list with one per prompt; not both). ``seed`` is
-    the engine's: a request whose ``SamplingParams`` has no seed of its own gets one from it,
-    so a sampled run is repeatable, and the same in every step. ``on_output(index, output)``
-    is called with each ``RequestOutput`` of each round as it comes (``index``: the prompt's
-    place in ``prompts``): ``common.front.stream.StreamPrinter`` streams the text from there.
-
-    ``threads``: torch's CPU threads, set (for the whole process) before serving, as the
-    command lines do: one by default, since on a machine that other programs share two threads
-    wait for each other at every small matmul (50x slower was measured). None leaves torch's
-    setting alone; on an idle machine more threads speed up a big model.
-    """
-    if threads is not None:
-        torch.set_num_threads(threads)
-    prompts = check_prompt_list(prompts)
-    step = load_step(step) if isinstance(step, str) else step
-    cfg = model_config_for(model_dir, model, overrides)
-    requests = prepare_requests(
-        model_dir,
-        prompts,
-        system,
-        max_new_tokens,
-        cfg,
-        chat_template,
-        eos_token_id,
-        sampling_params,
+def long_context_warning(cfg: ModelConfig) -> str | None:
+    """A ``max_model_len`` past the positions the checkpoint was trained on is allowed (vLLM
+    allows it too, when asked), but deserves a word: the model never saw those positions."""
+    trained, limit = cfg.max_position_embeddings, cfg.max_model_len
+    if trained is None or limit is None or limit <= trained:
+        return None
+    return (
+        f"max_model_len {limit} is past the {trained} positions the checkpoint was trained on "
+        "(its max_position_embeddings): a longer request runs the model on positions it never "
+        "saw, and its text may fall apart"
     )
-    if model is None:
-        model = step.TinyTransformerPaged.from_pretrained(model_dir, **overrides)
-    return serve(step, model, prompts, requests, max_running, on_engine, on_output, seed)
 
 
 def serve(
     step: ModuleType,
     model: torch.nn.Module,
-    prompts: list[Prompt],
     requests: TextRequests,
-    max_running: int,
+    engine_options: EngineOptions,
     on_engine: Callable[[Any], object] | None = None,
     on_output: OnOutput | None = None,
-    seed: int = 0,
 ) -> TextResult:
     """The checked requests through ``step``'s engine, round by round, decoded.
 
@@ -457,48 +403,69 @@ def serve(
     then ``step()`` until no work is left; each round's ``RequestOutput``s go to ``on_output``
     as they come, and the last one of each request (``finished``) says why it ended.
     """
-    engine = step.PagedPrefixCacheEngine(model, max_running=max_running, seed=seed)
+    engine = step.PagedPrefixCacheEngine(
+        model, max_running=engine_options.max_running, seed=engine_options.seed
+    )
     if on_engine is not None:
         on_engine(engine)
-    eos = frozenset(requests.eos) or None
-    last: dict[int, RequestOutput] = {}  # each request's latest output, by prompt index
     start = time.perf_counter()
+    finals = run_requests(engine, requests, on_output)
+    seconds = time.perf_counter() - start
+    output_ids = [answer_ids(output) for output in finals]
+    template = requests.codec.template
+    return TextResult(
+        requests.prompts,
+        [requests.codec.decode(ids) for ids in output_ids],
+        [r.prompt_ids for r in requests.requests],
+        output_ids,
+        engine.stats,
+        seconds,
+        model.cfg,
+        list(requests.eos_token_ids),
+        requests.system_tokens,
+        template.source if template is not None else None,
+        [str(output.finish_reason) for output in finals],
+        cache_note(requests),
+    )
+
+
+def cache_note(requests: TextRequests) -> str | None:
+    """Why the system prompt that every request begins with was computed for each of them:
+    what the prompts share is shorter than one block, and only full blocks are shared. None
+    without a system prompt, or when they share a block."""
+    ids = [request.prompt_ids for request in requests.requests]
+    shared, block_size = common_prefix_len(ids) if len(ids) > 1 else 0, requests.cfg.block_size
+    text = requests.codec.decode(ids[0][:shared]).strip()
+    if not requests.system_tokens or not text or shared >= block_size:
+        return None
+    return short_prefix_note(shared, text, block_size)
+
+
+def short_prefix_note(shared: int, text: str, block_size: int) -> str:
+    """``cache_note``'s words: what the prompts share, and the block size they would fill."""
+    smaller = 1 << (shared.bit_length() - 1)  # a power of two that the shared tokens fill
+    return (
+        f"The prompts share their first {plural(shared, 'token')} ({shorten(text, 30)!r}), fewer "
+        f"than one block of {block_size}: only full blocks are shared, so none of it came from "
+        f"the cache. A longer shared part (a system prompt), or a block_size of {smaller} "
+        f"(--block-size {smaller}), would let the requests share it."
+    )
+
+
+def run_requests(
+    engine: Any, requests: TextRequests, on_output: OnOutput | None
+) -> list[RequestOutput]:
+    """Queue every request, run rounds until none is left; each request's last output."""
+    eos = frozenset(requests.eos_token_ids) or None
+    last: dict[int, RequestOutput] = {}  # each request's latest output, by prompt index
     with torch.inference_mode():
         index = {
-            engine.add_request(ids, None, eos, sampling_params=params): i
-            for i, (ids, params) in enumerate(zip(requests.prompt_ids, requests.sampling_params))
+            engine.add_request(r.prompt_ids, None, eos, sampling_params=r.sampling_params): i
+            for i, r in enumerate(requests.requests)
         }
         while engine.has_work:
             for output in engine.step():
                 last[index[output.request_id]] = output
                 if on_output is not None:
                     on_output(index[output.request_id], output)
-    seconds = time.perf_counter() - start
-    finals = [last[i] for i in range(len(prompts))]
-    output_ids = [answer_ids(output) for output in finals]
-    return TextResult(
-        prompts,
-        [requests.codec.decode(ids) for ids in output_ids],
-        requests.prompt_ids,
-        output_ids,
-        engine.stats,
-        seconds,
-        model.cfg,
-        list(requests.eos),
-        requests.system_tokens,
-        requests.chat_template,
-        [str(output.finish_reason) for output in finals],
-    )
-
-
-# ---- the command line -----------------------------------------------------------------------
-
-
-def model_dir_arg(text: str) -> str:
-    """``--model``: a directory holding ``config.json`` (else exit 2 with one error line)."""
-    if not (Path(text).expanduser() / "config.json").is_file():
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a checkpoint directory (no config.json in it); nothing is "
-            "downloaded: give a local directory"
-        )
-    return text
+    return [last[i] for i in range(len(requests.requests))]

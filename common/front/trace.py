@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from ..observer import RoundObserver
 from ..snapshot import PoolSnapshot
 from ..status import SequenceStatus
+from .cli import TraceOptions
 
 # Why a request's blocks went back (``KVCacheManager.free``) during a round, by its status: the
 # engine frees a finished request after its last token, and a preempted one right after
@@ -70,44 +71,6 @@ class Work:
         return self.quiet or self == Work(self.seq_id, waits=True)
 
 
-@dataclass(frozen=True)
-class Pool:
-    """The pool at the end of a round."""
-
-    total: int
-    block_size: int
-    free: int
-    cached: tuple[int, ...]  # block ids the prefix cache holds
-    holders: dict[int, tuple[int, ...]]  # block id -> the running requests that hold it
-    ref_counts: dict[int, int]  # block id -> ref_count, for every block that is not free
-
-    @property
-    def in_use(self) -> int:
-        """Blocks that at least one request holds (the cache may hold them too)."""
-        return len(self.holders)
-
-    @property
-    def cached_only(self) -> list[int]:
-        """Blocks only the cache holds (ref_count 1): evictable."""
-        return [b for b in self.cached if b not in self.holders]
-
-    def problems(self) -> list[str]:
-        """Where the books do not balance: ref_count = requests holding it + the cache."""
-        problems = []
-        for block in sorted(set(self.ref_counts) | set(self.holders) | set(self.cached)):
-            owners = len(self.holders.get(block, ())) + (block in self.cached)
-            if self.ref_counts.get(block, 0) != owners:
-                problems.append(
-                    f"block {block}: ref_count {self.ref_counts.get(block, 0)}, but {owners} owners"
-                )
-        if self.free + self.in_use + len(self.cached_only) != self.total:
-            problems.append(
-                f"free {self.free} + in use {self.in_use} + cached only "
-                f"{len(self.cached_only)} != total {self.total}"
-            )
-        return problems
-
-
 @dataclass
 class RoundTrace:
     """One round (``engine.step()``), or what happened between two rounds (an abort, a reset
@@ -115,7 +78,7 @@ class RoundTrace:
 
     number: int  # the traced engine's round, from 1; between rounds: the round before
     work: list[Work]
-    pool: Pool
+    pool: PoolSnapshot  # after it: who holds which block, what the cache holds, ref_counts
     between: bool = False  # an abort or a reset, outside any round
     cleared: list[int] = field(default_factory=list)  # reset_prefix_cache: these went free
 
@@ -242,23 +205,9 @@ class RoundTracer(RoundObserver):
             self._work[seq.seq_id] = Work(seq.seq_id)
         return self._work[seq.seq_id]
 
-    def pool(self) -> Pool:
-        """The pool now: free blocks, cached blocks, who holds what, every ref_count."""
-        s = self.engine.snapshot()
-        return Pool(
-            s.total_blocks,
-            s.block_size,
-            s.num_free,
-            tuple(sorted(s.cached)),
-            s.holders,
-            s.ref_counts,
-        )
-
     def _close(self, between: bool = False, cleared: tuple[int, ...] = ()) -> None:
-        self.rounds.append(
-            RoundTrace(self._number, list(self._work.values()), self.pool(), between)
-        )
-        self.rounds[-1].cleared = list(cleared)
+        work, pool = list(self._work.values()), self.engine.snapshot()
+        self.rounds.append(RoundTrace(self._number, work, pool, between, list(cleared)))
         self._work = {}
 
 
@@ -320,13 +269,13 @@ def describe_still(work: list[Work], width: int, rounds: int = 1) -> str:
     return "; ".join(parts)
 
 
-def describe_pool(pool: Pool, touched: list[int]) -> str:
+def describe_pool(pool: PoolSnapshot, touched: list[int]) -> str:
     """free + in use + cached only (they add up to the pool), and the ref_count of every block
     that moved: the requests holding it, + 1 if the cache holds it."""
     in_use_cached = sum(b in pool.holders for b in pool.cached)
-    refs = " ".join(f"{b}:{pool.ref_counts.get(b, 0)}" for b in sorted(touched))
+    refs = " ".join(f"{b}:{pool.ref_count(b)}" for b in sorted(touched))
     line = (
-        f"pool: {pool.free} free, {pool.in_use} in use ({in_use_cached} cached), "
+        f"pool: {pool.num_free} free, {pool.in_use} in use ({in_use_cached} cached), "
         f"{len(pool.cached_only)} cached only"
     )
     return f"{line}; refs {refs}" if refs else line
@@ -391,7 +340,9 @@ def format_trace(rounds: list[RoundTrace]) -> str:
 
 def trace_header(what: str, rounds: list[RoundTrace]) -> str:
     """What the trace shows and how to read it, wrapped."""
-    total, block_size = (rounds[0].pool.total, rounds[0].pool.block_size) if rounds else (0, 0)
+    total, block_size = (
+        (rounds[0].pool.total_blocks, rounds[0].pool.block_size) if rounds else (0, 0)
+    )
     return textwrap.fill(
         f"Trace of {what}: {len(rounds)} rounds, a pool of {total} blocks of {block_size} "
         f"tokens. Per round, each request's work (adopt: cached blocks it takes, ref_count +1; "
@@ -401,3 +352,13 @@ def trace_header(what: str, rounds: list[RoundTrace]) -> str:
         f"(the requests holding it, + 1 if the cache does).",
         width=100,
     )
+
+
+def show_trace(options: TraceOptions, what: str, rounds: list[RoundTrace], title: str) -> None:
+    """``--trace``: the rounds as text, after a header; ``--trace-png``: the picture."""
+    if options.show:
+        print(f"\n{trace_header(what, rounds)}\n\n{format_trace(rounds)}")
+    if options.png is not None:
+        from .trace_plot import draw_pool  # matplotlib: only when a picture is asked for
+
+        print(f"\nThe pool, blocks x rounds: {draw_pool(rounds, options.png, title)}")

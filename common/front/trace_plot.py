@@ -14,6 +14,7 @@ Needs matplotlib (``pip install -e '.[plot]'``); nothing else imports this modul
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from .trace import RoundTrace
 
@@ -50,78 +51,77 @@ def draw_pool(rounds: list[RoundTrace], path: str | Path, title: str) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch, Rectangle
-    from matplotlib.transforms import offset_copy
 
     block_ids = used_blocks(rounds)
-    row = {b: i for i, b in enumerate(block_ids)}
     n_cols, n_rows = len(rounds), len(block_ids)
     width, height = max(7.0, 1.6 + 0.22 * n_cols), 1.8 + 0.24 * n_rows
     fig, ax = plt.subplots(figsize=(width, height), dpi=120)
-    font = 6 if n_cols <= 120 else 0  # past that the cells are too small for text
     plt.rcParams["hatch.linewidth"] = 0.6
-
+    font = 6 if n_cols <= 120 else 0  # past that the cells are too small for text
     for x, r in enumerate(rounds):
-        pool, allocated = r.pool, {b for w in r.work for b in w.allocated}
-        for b in block_ids:
-            y = row[b]
-            holders = pool.holders.get(b, ())
-            cached = b in pool.cached
-            face, hatch, text = "white", None, ""
-            if len(holders) > 1:
-                face, hatch, text = SHARED_COLOUR, "////", f"×{len(holders)}"
-            elif holders:
-                face, text = REQUEST_COLOURS[holders[0] % len(REQUEST_COLOURS)], str(holders[0])
-            elif cached:
-                face, hatch = CACHED_ONLY_COLOUR, "...."
-            ax.add_patch(
-                Rectangle(
-                    (x, y),
-                    1,
-                    1,
-                    facecolor=face,
-                    hatch=hatch,
-                    edgecolor="0.55",
-                    linewidth=0.3,
-                )
-            )
-            if b in allocated:  # taken from the free pool this round: a bold edge
-                ax.add_patch(
-                    Rectangle(
-                        (x + 0.06, y + 0.06), 0.88, 0.88, fill=False, edgecolor="black", lw=1.3
-                    )
-                )
-            if cached and holders:  # the cache holds it too: a black corner
-                ax.add_patch(
-                    plt.Polygon([(x + 0.62, y), (x + 1, y), (x + 1, y + 0.38)], color="black")
-                )
-            if text and font:
-                ax.text(
-                    x + 0.45,
-                    y + 0.55,
-                    text,
-                    ha="center",
-                    va="center",
-                    fontsize=font,
-                    bbox={"boxstyle": "square,pad=0.05", "fc": "white", "ec": "none"}
-                    if hatch
-                    else None,
-                )
-        for b in r.evicted:
-            ax.plot(x + 0.22, row[b] + 0.28, marker="x", color="black", markersize=4, mew=1.3)
-        if r.preempted:
-            ax.text(
-                x + 0.5,
-                -0.3,
-                "P" + ",".join(map(str, r.preempted)),
-                ha="center",
-                va="bottom",
-                fontsize=6,
-                fontweight="bold",
-                rotation=90,
-            )
+        draw_column(ax, x, r, block_ids, font)
+    draw_axes(ax, rounds, block_ids, title)
+    draw_legend(ax, fig, rounds)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, format="png", bbox_inches="tight")
+    plt.close(fig)
+    return path
 
+
+def draw_column(ax: Any, x: int, r: RoundTrace, block_ids: list[int], font: int) -> None:
+    """Round ``r`` at column ``x``: a cell per block, its evictions, a preemption above."""
+    holders, allocated = r.pool.holders, {b for w in r.work for b in w.allocated}
+    for y, block in enumerate(block_ids):
+        draw_cell(ax, x, y, holders.get(block, ()), block in r.pool.cached, font)
+        if block in allocated:  # taken from the free pool this round: a bold edge
+            ax.add_patch(box((x + 0.06, y + 0.06), 0.88, fill=False, edgecolor="black", lw=1.3))
+    row = {block: y for y, block in enumerate(block_ids)}
+    for block in r.evicted:
+        ax.plot(x + 0.22, row[block] + 0.28, marker="x", color="black", markersize=4, mew=1.3)
+    if r.preempted:
+        label = "P" + ",".join(map(str, r.preempted))
+        ax.text(
+            x + 0.5,
+            -0.3,
+            label,
+            ha="center",
+            va="bottom",
+            fontsize=6,
+            rotation=90,
+            fontweight="bold",
+        )
+
+
+def draw_cell(ax: Any, x: int, y: int, holders: tuple[int, ...], cached: bool, font: int) -> None:
+    """One block at the end of one round: free, cached only, or held (by one request, or
+    shared), with a black corner when the cache holds it too."""
+    import matplotlib.pyplot as plt
+
+    face, hatch, text = "white", None, ""
+    if len(holders) > 1:
+        face, hatch, text = SHARED_COLOUR, "////", f"×{len(holders)}"
+    elif holders:
+        face, text = REQUEST_COLOURS[holders[0] % len(REQUEST_COLOURS)], str(holders[0])
+    elif cached:
+        face, hatch = CACHED_ONLY_COLOUR, "...."
+    ax.add_patch(box((x, y), 1, facecolor=face, hatch=hatch, edgecolor="0.55", linewidth=0.3))
+    if cached and holders:
+        ax.add_patch(plt.Polygon([(x + 0.62, y), (x + 1, y), (x + 1, y + 0.38)], color="black"))
+    if text and font:
+        plate = {"boxstyle": "square,pad=0.05", "fc": "white", "ec": "none"} if hatch else None
+        ax.text(x + 0.45, y + 0.55, text, ha="center", va="center", fontsize=font, bbox=plate)
+
+
+def box(corner: tuple[float, float], side: float, **style: Any) -> Any:
+    from matplotlib.patches import Rectangle
+
+    return Rectangle(corner, side, side, **style)
+
+
+def draw_axes(ax: Any, rounds: list[RoundTrace], block_ids: list[int], title: str) -> None:
+    """Round numbers along the bottom, block ids down the side, the title."""
+    n_cols, n_rows = len(rounds), len(block_ids)
     ax.set_xlim(0, n_cols)
     ax.set_ylim(n_rows, -0.3 - (1.6 if any(r.preempted for r in rounds) else 0))
     step = max(1, n_cols // 40)
@@ -130,11 +130,19 @@ def draw_pool(rounds: list[RoundTrace], path: str | Path, title: str) -> Path:
     ax.set_yticks([i + 0.5 for i in range(n_rows)])
     ax.set_yticklabels([str(b) for b in block_ids], fontsize=6)
     ax.set_xlabel("round (each cell: the block at the end of the round)", fontsize=8)
-    total = rounds[0].pool.total if rounds else 0
+    total = rounds[0].pool.total_blocks if rounds else 0
     ax.set_ylabel(f"block id ({n_rows} of {total} ever used; the others stayed free)", fontsize=8)
     ax.set_title(title, fontsize=9)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
+
+
+def draw_legend(ax: Any, fig: Any, rounds: list[RoundTrace]) -> None:
+    """What each kind of cell means, under the axis label; evictions and preemptions only
+    when the rounds have some."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    from matplotlib.transforms import offset_copy
 
     legend = [
         Patch(facecolor="white", edgecolor="0.55", label="free"),
@@ -162,8 +170,3 @@ def draw_pool(rounds: list[RoundTrace], path: str | Path, title: str) -> Path:
         fontsize=7,
         frameon=False,
     )
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, format="png", bbox_inches="tight")
-    plt.close(fig)
-    return path

@@ -29,7 +29,6 @@ What a command prints when it cannot serve a checkpoint (one ``error:`` line) is
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import re
@@ -52,9 +51,10 @@ from bench import showcase
 from common.checkpoint import config_from_hf, eos_token_ids, load_checkpoint
 from common.config import ModelConfig, preset
 from common.errors import CheckpointError
+from common.front import text_cli
+from common.front.cli import EngineOptions
 from common.front.hf import default_max_positions, hf_llama
-from common.front.text import TextCodec, generate_text, load_tokenizer
-from common.front.text_cli import add_model_args, run_text
+from common.front.text import TextCodec, TextOptions, generate_text, load_tokenizer
 from tests.helpers import STEP_NAMES, edit_json
 from tests.toy_checkpoint import CFG, VOCAB, WORDS, word_tokenizer
 
@@ -314,9 +314,8 @@ def test_text_through_every_step_equals_hf(
 ) -> None:
     """Same prompts, same tokens as HF ``generate``; a request stops at the checkpoint's eos;
     the shared system prompt is served from the cache."""
-    result = generate_text(
-        step, checkpoint[layout], PROMPTS, system=SYSTEM, max_new_tokens=NEW_TOKENS, block_size=4
-    )
+    options = TextOptions(SYSTEM, NEW_TOKENS, engine=EngineOptions(block_size=4))
+    result = generate_text(step, checkpoint[layout], PROMPTS, options)
     expected = checkpoint["expected"]
     assert result.prompt_ids == checkpoint["prompt_ids"]
     assert result.output_ids == expected
@@ -349,14 +348,12 @@ def test_run_text_prints_outputs_and_cache_figures(
     checkpoint: dict[str, object], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """What ``run.py --model DIR --system ... --prompt ... --prompt ...`` prints."""
-    parser = argparse.ArgumentParser()
-    add_model_args(parser)
-    parser.add_argument("--block-size", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=NEW_TOKENS)
-    argv = ["--model", str(checkpoint["single"]), "--system", SYSTEM]
+    parser = text_cli.build_parser("run")
+    argv = ["--model", str(checkpoint["single"]), "--system", SYSTEM, "--block-size", "4"]
+    argv += ["--max-new-tokens", str(NEW_TOKENS)]
     for prompt in PROMPTS:
         argv += ["--prompt", prompt]
-    assert run_text("step14_7", parser.parse_args(argv)) == 0
+    assert text_cli.run("step14_7", text_cli.read_options(parser, argv)) == 0
     out = capsys.readouterr().out
     decode = checkpoint["tokenizer"].decode
     for prompt, ids in zip(PROMPTS, checkpoint["expected"]):
@@ -540,12 +537,10 @@ def test_missing_optional_packages_say_how_to_install(
 def test_model_flag_wants_a_local_checkpoint_directory(
     checkpoint: dict[str, object], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    parser = argparse.ArgumentParser()
-    add_model_args(parser)
-    args = parser.parse_args(
-        ["--model", str(checkpoint["single"]), "--prompt", "a", "--prompt", "b"]
-    )
-    assert args.prompt == ["a", "b"] and args.system is None
+    parser = text_cli.build_parser("run")
+    argv = ["--model", str(checkpoint["single"]), "--prompt", "a", "--prompt", "b"]
+    options = text_cli.read_options(parser, argv)
+    assert options.prompts == ["a", "b"] and options.text.system is None
     with pytest.raises(SystemExit) as info:
         parser.parse_args(["--model", "meta-llama/Llama-3.2-1B"])
     assert info.value.code == 2
@@ -585,7 +580,7 @@ def test_an_unknown_argument_is_named(tied: Path) -> None:
 
 def test_one_string_is_not_a_list_of_prompts(tied: Path) -> None:
     with pytest.raises(ValueError, match="list of strings") as info:
-        generate_text("step14_7", tied, "the cat sat on", max_new_tokens=2)
+        generate_text("step14_7", tied, "the cat sat on", TextOptions(max_new_tokens=2))
     assert "['the cat sat on']" in str(info.value), "the message shows the fix"
 
 
@@ -594,8 +589,10 @@ def test_model_and_pool_overrides_together_are_refused(tied: Path) -> None:
 
     model = TinyTransformerPaged.from_pretrained(tied, total_blocks=64)
     with pytest.raises(ValueError, match="total_blocks=1"):
-        generate_text("step14_7", tied, ["the cat"], model=model, total_blocks=1)
-    result = generate_text("step14_7", tied, ["the cat"], max_new_tokens=2, model=model)
+        pool = TextOptions(engine=EngineOptions(total_blocks=1))
+        generate_text("step14_7", tied, ["the cat"], pool, model=model)
+    options = TextOptions(max_new_tokens=2, engine=EngineOptions(max_running=2))
+    result = generate_text("step14_7", tied, ["the cat"], options, model=model)
     assert result.cfg.total_blocks == 64
 
 

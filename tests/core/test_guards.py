@@ -125,8 +125,8 @@ def test_a_size_no_machine_holds_is_one_line(args: list[str], tmp_path: Path) ->
 
 def test_no_memory_check_flag_sets_the_skip(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(memory.SKIP_ENV, raising=False)
-    args = demo.parse_args(STEP_NAMES[0], ["--no-memory-check"])
-    assert args.no_memory_check and os.environ[memory.SKIP_ENV] == "1"
+    options = demo.read_options(demo.build_parser("run"), ["--no-memory-check"])
+    assert options.engine.no_memory_check and os.environ[memory.SKIP_ENV] == "1"
 
 
 # ---- the context length ---------------------------------------------------------------------
@@ -252,7 +252,8 @@ def test_a_flag_that_would_do_nothing_is_refused(argv: list[str], message: str, 
 def test_trace_round_with_a_checkpoint_is_refused(toy_checkpoint: Path, capsys) -> None:
     run = __import__(f"{STEP_NAMES[0]}.run").run
     argv = ["--model", str(toy_checkpoint), "--trace", "--trace-round", "small-pool"]
-    assert "--trace-round is for the demo's rounds" in usage_error(run.main, argv, capsys)
+    line = usage_error(run.main, argv, capsys)
+    assert "--trace-round is for the demo's own rounds: it does not go with --model" in line
 
 
 def test_bench_dtype_auto_needs_a_checkpoint(capsys) -> None:
@@ -316,15 +317,17 @@ def test_a_trace_png_that_cannot_be_written_says_why(tmp_path: Path, capsys) -> 
 
 
 def test_generate_text_uses_one_thread_by_default(toy_checkpoint: Path) -> None:
-    from common.front.text import generate_text
+    from common.front.cli import EngineOptions
+    from common.front.text import TextOptions, generate_text
 
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        generate_text(STEP_NAMES[-1], toy_checkpoint, ["the"], max_new_tokens=2)
+        generate_text(STEP_NAMES[-1], toy_checkpoint, ["the"], TextOptions(max_new_tokens=2))
         assert torch.get_num_threads() == 1
         torch.set_num_threads(2)
-        generate_text(STEP_NAMES[-1], toy_checkpoint, ["the"], max_new_tokens=2, threads=None)
+        torch_default = TextOptions(max_new_tokens=2, engine=EngineOptions(threads=0))
+        generate_text(STEP_NAMES[-1], toy_checkpoint, ["the"], torch_default)
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

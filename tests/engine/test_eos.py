@@ -9,6 +9,7 @@ computing after the model said it was done.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -218,15 +219,17 @@ def llama3_eos(
 ) -> dict[str, object]:
     """test_checkpoint's Llama, saved by transformers, whose generation_config.json lists two
     eos ids, Llama 3 style: two ids its answers reach mid-way, in different requests."""
+    from common.front.cli import EngineOptions
     from common.front.hf import hf_llama
-    from common.front.text import generate_text
+    from common.front.text import TextOptions, generate_text
 
     tc = text_checkpoint
     folder = tmp_path_factory.mktemp("llama3-eos") / "ckpt"
     hf_llama(tc.CFG, attn="eager").save_pretrained(folder)
     tc.word_tokenizer().save(str(folder / "tokenizer.json"))
-    args = ("step14_7", folder, tc.PROMPTS, tc.SYSTEM, tc.NEW_TOKENS)
-    free = generate_text(*args, block_size=4, eos_token_id=()).output_ids
+    options = TextOptions(tc.SYSTEM, tc.NEW_TOKENS, engine=EngineOptions(block_size=4))
+    args = ("step14_7", folder, tc.PROMPTS, options)
+    free = generate_text(*args[:3], replace(options, eos_token_id=())).output_ids
     eos: list[int] = []
     for out in free:
         fresh = [t for pos, t in enumerate(out) if pos >= 1 and t not in out[:pos]]
@@ -247,12 +250,13 @@ def test_text_stops_at_any_of_the_checkpoints_eos_ids(
     the same list, and the engine computed no token past any of them."""
     from common.front.text import generate_text
 
-    folder, eos, (_, _, prompts, system, new_tokens) = (
+    folder, eos, (_, _, prompts, options) = (
         llama3_eos["folder"],
         llama3_eos["eos"],
         llama3_eos["args"],
     )
-    result = generate_text(step, folder, prompts, system, new_tokens, block_size=4)
+    new_tokens = options.max_new_tokens
+    result = generate_text(step, folder, prompts, options)
     assert sorted(result.eos_token_ids) == sorted(eos)
     assert result.output_ids == hf_generate(folder, result.prompt_ids, eos, new_tokens)
     free = llama3_eos["free"]
@@ -267,7 +271,8 @@ def test_text_eos_override(llama3_eos: dict[str, object]) -> None:
     """``eos_token_id=`` replaces the checkpoint's list; ``()`` means no eos at all."""
     from common.front.text import generate_text
 
-    args, eos, free = llama3_eos["args"], llama3_eos["eos"], llama3_eos["free"]
-    assert generate_text(*args, block_size=4, eos_token_id=()).output_ids == free
-    only_first = generate_text(*args, block_size=4, eos_token_id=np.int64(eos[0])).output_ids
+    (*args, options), eos, free = llama3_eos["args"], llama3_eos["eos"], llama3_eos["free"]
+    assert generate_text(*args, replace(options, eos_token_id=())).output_ids == free
+    first = replace(options, eos_token_id=np.int64(eos[0]))
+    only_first = generate_text(*args, first).output_ids
     assert only_first == [out[: out.index(eos[0])] if eos[0] in out else out for out in free]

@@ -30,8 +30,15 @@ from tokenizers import Tokenizer, processors
 from common.config import Llama3RopeScaling, preset
 from common.errors import UserError
 from common.front.chat import load_chat_template, messages_for
+from common.front.cli import EngineOptions
 from common.front.hf import hf_llama
-from common.front.text import TextCodec, common_prefix_len, generate_text, load_tokenizer
+from common.front.text import (
+    TextCodec,
+    TextOptions,
+    common_prefix_len,
+    generate_text,
+    load_tokenizer,
+)
 from tests.helpers import edit_json
 from tests.toy_checkpoint import byte_level_bpe
 
@@ -259,9 +266,7 @@ def test_the_chat_system_prompt_is_computed_once_for_all_requests(
         step_name,
         chat_checkpoints["jinja"],
         PROMPTS,
-        system=SYSTEM,
-        max_new_tokens=4,
-        block_size=block,
+        TextOptions(SYSTEM, max_new_tokens=4, engine=EngineOptions(block_size=block)),
     )
     assert result.chat_template == "chat_template.jinja"
     shared = common_prefix_len(result.prompt_ids)
@@ -277,8 +282,9 @@ def test_the_chat_system_prompt_is_computed_once_for_all_requests(
 
 def test_no_chat_template_serves_plain_completions(chat_checkpoints: dict[str, Path]) -> None:
     folder = chat_checkpoints["jinja"]
-    chat = generate_text("step14_7", folder, PROMPTS[:1], max_new_tokens=2)
-    plain = generate_text("step14_7", folder, PROMPTS[:1], max_new_tokens=2, chat_template=False)
+    chat = generate_text("step14_7", folder, PROMPTS[:1], TextOptions(max_new_tokens=2))
+    plain_options = TextOptions(max_new_tokens=2, chat_template=False)
+    plain = generate_text("step14_7", folder, PROMPTS[:1], plain_options)
     tok = load_tokenizer(folder)
     assert plain.chat_template is None
     assert plain.prompt_ids == [tok.encode(PROMPTS[0]).ids]
@@ -289,8 +295,11 @@ def test_no_chat_template_serves_plain_completions(chat_checkpoints: dict[str, P
 def test_a_checkpoint_without_template_is_served_plain(tmp_path: Path) -> None:
     folder = save_chat_checkpoint(tmp_path / "plain", template=None)
     assert load_chat_template(folder) is None
-    result = generate_text("step14_7", folder, ["Water boils at"], max_new_tokens=2)
+    result = generate_text("step14_7", folder, ["Water boils at"], TextOptions(max_new_tokens=2))
     assert result.chat_template is None
+    conversation = [{"role": "user", "content": "Water boils at"}]
+    with pytest.raises(UserError, match="the checkpoint has none"):
+        generate_text("step14_7", folder, [conversation])
 
 
 def test_a_named_template_list_uses_the_default(chat_checkpoints: dict[str, Path]) -> None:

@@ -30,6 +30,7 @@ import importlib
 import io
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -43,9 +44,10 @@ from bench import costs, progress, report, showcase
 from bench.costs import TokenWork, matmul_gflops, model_flops
 from bench.harness import RunResult, StepRunner, Workload
 from common.config import ModelConfig, preset
-from common.front import demo
+from common.front import demo, main, text_cli
 from common.front.cli import plural
-from common.front.text_cli import describe, short_system_note
+from common.front.text import short_prefix_note
+from common.front.text_cli import describe
 from tests.helpers import STEP_NAMES, edit_json, run_python, usage_error
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -216,16 +218,20 @@ def demo_errors() -> list[tuple[list[str], str]]:
         (["--total-blocks", "-1"], "argument --total-blocks: must be >= 1"),
         (
             ["--total-blocks", "3"],
-            "--total-blocks 3 is too small: the longest demo request needs 5",
+            "the longest demo request does not fit: a request of 61 prompt + 16 new tokens "
+            "needs 5 KV blocks of 16 tokens, and the pool has 3: raise total_blocks "
+            "(--total-blocks) to at least 5",
         ),
+        # The longest request (61 tokens), not the shortest (52), sizes the pool: 5 blocks.
+        (["--max-new-tokens", "5", "--total-blocks", "4"], "needs 5 KV blocks"),
         (["--max-running", "0"], "argument --max-running: must be >= 1"),
         (["--seed", "-1"], "argument --seed: must be >= 0"),
         (["--seed", str(2**64)], "argument --seed: must be <= 9223372036854775807"),
         (["--threads", "-2"], "argument --threads: must be >= 0"),
         (["--dtype", "half"], "argument --dtype: 'half' is not a dtype"),
         (["--device", "gpu"], "argument --device: 'gpu' is not a device"),
-        (["--system", "You are brief."], "--system and --prompt need --model DIR"),
-        (["--prompt", "Hello"], "--system and --prompt need --model DIR"),
+        (["--system", "You are brief."], "--system needs --model DIR"),
+        (["--prompt", "Hello"], "--prompt needs --model DIR"),
         (["--model", "meta-llama/Llama-3.2-1B"], "is not a checkpoint directory"),
     ]
 
@@ -259,7 +265,8 @@ def test_demo_integer_flags_refuse_what_is_not_an_integer(flag: str, value: str,
 
 def test_demo_pool_just_big_enough_is_accepted() -> None:
     need = demo.blocks_for_longest_request(16, 16)
-    assert demo.parse_args(STEP_NAMES[0], ["--total-blocks", str(need)]).total_blocks == need
+    parser = demo.build_parser("run")
+    assert demo.read_options(parser, ["--total-blocks", str(need)]).engine.total_blocks == need
 
 
 # ---- --help --------------------------------------------------------------------------------------
@@ -272,9 +279,13 @@ def help_text(main, capsys: pytest.CaptureFixture) -> str:
     return capsys.readouterr().out
 
 
-@pytest.mark.parametrize("which", ["bench", "demo"])
-def test_help_shows_every_default_and_no_rest_markup(which: str, capsys) -> None:
-    text = help_text(showcase.main if which == "bench" else FIRST_RUN.main, capsys)
+@pytest.mark.parametrize("which", ["bench", "demo", "text"])
+def test_help_shows_every_default_and_no_rest_markup(
+    which: str, capsys, toy_checkpoint: Path
+) -> None:
+    mains = {"bench": showcase.main, "demo": FIRST_RUN.main}
+    text_main = lambda argv: FIRST_RUN.main(["--model", str(toy_checkpoint), *argv])  # noqa: E731
+    text = help_text(mains.get(which, text_main), capsys)
     options = set(re.findall(r"^  (--[a-z-]+)", text, re.MULTILINE))
     assert len(options) >= 8
     assert text.count("(default:") == len(options), "an option without its default"
@@ -512,8 +523,8 @@ def test_one_token_is_singular() -> None:
 
 
 def test_a_short_system_prompt_says_why_it_cannot_hit() -> None:
-    note = short_system_note(12, 16)
-    assert "12 tokens, shorter than one block of 16" in note
+    note = short_prefix_note(12, "You are brief.", 16)
+    assert "their first 12 tokens ('You are brief.'), fewer than one block of 16" in note
     assert "--block-size 8" in note  # a block size the 12 tokens fill at least once
 
 
@@ -532,7 +543,95 @@ def test_run_text_prints_one_token_and_the_short_system_note(tmp_path: Path, cap
     assert "(1 token, finish_reason=length)" in out and "(1 tokens" not in out
     assert "system prompt: 'the cat' (3 tokens," in out  # <s> the cat
     assert "0/2 requests hit" in out
-    assert "3 tokens, shorter than one block of 16" in out
+    assert "their first 3 tokens ('the cat'), fewer than one block of 16" in out
+    assert "--block-size 2" in out
+
+
+# ---- run.py: one dispatcher, a front end per flag ------------------------------------------------
+
+
+def test_run_routes_model_to_the_text_front_end_and_the_rest_to_the_demo(
+    toy_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--model`` (also as ``--model=DIR``) chooses the text front end, nothing the demo: each
+    gets the whole command line, read into its own options."""
+    ran: list[tuple[str, object]] = []
+    for front_end in main.FRONT_ENDS:
+        module = main.load(front_end)
+        monkeypatch.setattr(module, "run", lambda step, options, m=module: ran.append((m, options)))
+    FIRST_RUN.main(["--max-new-tokens", "3"])
+    FIRST_RUN.main(["--model", str(toy_checkpoint), "--prompt", "the"])
+    FIRST_RUN.main([f"--model={toy_checkpoint}", "--max-new-tokens", "3"])
+    (demo_run, demo_options), (text_run, text_options), (_, other) = ran
+    assert demo_run is demo and demo_options.max_new_tokens == 3
+    assert text_run is text_cli and text_options.prompts == ["the"]
+    assert other.text.sampling_params.max_tokens == 3 and other.prompts == [text_cli.EXAMPLE_PROMPT]
+
+
+@pytest.mark.usefixtures("no_work")
+def test_a_flag_of_the_other_front_end_says_which_flag_it_needs(
+    toy_checkpoint: Path, capsys
+) -> None:
+    text_only = usage_error(FIRST_RUN.main, ["--max-new-tokens", "2", "--stream"], capsys)
+    assert text_only.endswith(
+        "error: --stream needs --model DIR (a checkpoint's text): the demo serves its own requests"
+    )
+    model = ["--model", str(toy_checkpoint)]
+    demo_only = usage_error(FIRST_RUN.main, [*model, "--trace-round", "batched"], capsys)
+    assert "--trace-round is for the demo's own rounds: it does not go with --model" in demo_only
+    typo = usage_error(FIRST_RUN.main, ["--strem"], capsys)
+    assert "unrecognized arguments: --strem" in typo
+
+
+def test_the_demo_does_not_import_the_text_front_end() -> None:
+    """The dispatcher knows the front ends; the demo knows only itself and what they share."""
+    imported = imported_modules(ROOT / "common" / "front" / "demo.py")
+    assert not {"text", "text_cli", "stream", "chat"} & {name.split(".")[-1] for name in imported}
+
+
+def test_ctrl_c_while_torch_is_imported_is_one_line() -> None:
+    """Ctrl-C in the first seconds, while torch is still being imported, ends the command as it
+    does later: one line, and by SIGINT (the shell reads 130), no traceback. ``-X importtime``
+    reports every module as its import ends: a line naming torch means torch is under way."""
+    process = subprocess.Popen(
+        [sys.executable, "-X", "importtime", "-m", f"{STEP_NAMES[0]}.run"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stderr is not None
+    for line in process.stderr:
+        if "torch" in line:
+            break
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    said = [line for line in err.splitlines() if line and not line.startswith("import time:")]
+    assert process.returncode == -signal.SIGINT, err
+    assert said == [f"python -m {STEP_NAMES[0]}.run: interrupted"] and out == ""
+
+
+# ---- the context length --------------------------------------------------------------------------
+
+
+def test_the_context_limit_says_where_it_came_from_and_a_raised_one_warns(
+    toy_checkpoint: Path,
+) -> None:
+    """``--max-model-len`` below the request is blamed for the refusal, not the checkpoint;
+    above the checkpoint's ``max_position_embeddings`` it serves, with one warning line."""
+    base = [f"{STEP_NAMES[-1]}.run", "--model", str(toy_checkpoint), "--prompt", "the"]
+    low = run_python("-m", *base, "--max-model-len", "4", "--max-new-tokens", "8")
+    assert low.returncode == 1 and "Traceback" not in low.stderr
+    assert "(max_model_len (--max-model-len); the checkpoint was trained on 8192" in low.stderr
+    high = run_python("-m", *base, "--max-model-len", "100000", "--max-new-tokens", "2")
+    assert high.returncode == 0, high.stderr
+    assert high.stderr.splitlines() == [
+        "warning: max_model_len 100000 is past the 8192 positions the checkpoint was trained "
+        "on (its max_position_embeddings): a longer request runs the model on positions it "
+        "never saw, and its text may fall apart"
+    ]
+    plain = run_python("-m", *base, "--max-new-tokens", "2")
+    assert plain.returncode == 0 and plain.stderr == ""
 
 
 # ---- end to end, and the wiring ------------------------------------------------------------------

@@ -183,7 +183,13 @@ def test_commands_name_modules_paths_and_extras_that_exist() -> None:
 
 @cache
 def known_flags(program: str) -> set[str]:
-    """The flags ``python -m <module> --help`` (or ``python <script.py> --help``) lists."""
+    """The flags ``python -m <module> --help`` (or ``python <script.py> --help``) lists; for a
+    step's ``run``, those of every front end it routes to (the demo's, and ``--model``'s)."""
+    if program.endswith(".run"):
+        from common.front import main
+
+        parsers = [main.load(front_end).build_parser(program) for front_end in main.FRONT_ENDS]
+        return set().union(*map(main.flags_of, parsers))
     target = [program] if program.endswith(".py") else ["-m", program]
     out = subprocess.run(
         [sys.executable, *target, "--help"],

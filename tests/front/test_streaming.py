@@ -27,6 +27,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,9 @@ pytest.importorskip("jinja2")
 from tokenizers import Tokenizer
 
 from common.config import preset
+from common.errors import RequestError
 from common.front import text as text_front
+from common.front.cli import EngineOptions
 from common.front.hf import hf_llama
 from common.front.stream import (
     REPLACEMENT_CHAR,
@@ -48,7 +51,7 @@ from common.front.stream import (
     shorten,
     text_decoder,
 )
-from common.front.text import generate_text, load_tokenizer
+from common.front.text import TextOptions, generate_text, load_tokenizer
 from common.sampling import SamplingParams
 from tests.helpers import STEP_NAMES, SUBPROCESS_TIMEOUT_S, edit_json, usage_error
 from tests.toy_checkpoint import byte_level_bpe
@@ -127,9 +130,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     fast.chat_template = TEMPLATE
     fast.save_pretrained(folder)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8)
-    free = generate_text(
-        STEP_NAMES[-1], folder, PROMPTS, sampling_params=params, seed=1, eos_token_id=()
-    ).output_ids
+    options = TextOptions(sampling_params=params, eos_token_id=(), engine=EngineOptions(seed=1))
+    free = generate_text(STEP_NAMES[-1], folder, PROMPTS, options).output_ids
     first, others = free[0], {t for ids in free[1:] for t in ids}
     eos = next(t for i, t in enumerate(first) if i >= 2 and t not in first[:i] and t not in others)
     edit_json(folder / "config.json", eos_token_id=eos)
@@ -177,6 +179,22 @@ def test_streamed_pieces_add_up_to_the_text(sentence: str) -> None:
     pieces = streamed(text_decoder(tok), ids)
     assert "".join(pieces) == sentence == tok.decode(ids)
     assert not any(REPLACEMENT_CHAR in piece for piece in pieces)
+
+
+def test_a_byte_no_token_completes_holds_nothing_back_after_it() -> None:
+    """A lone continuation byte in the middle of an answer (the second byte of "€", which
+    nothing completes) decodes to U+FFFD for good. The text is held back only while it *ends*
+    in U+FFFD: once the next token comes, the stream goes on, token by token, rather than
+    freezing until the answer ends."""
+    tok = bpe_tokenizer()
+    stray = tok.encode("€").ids[1]  # a byte token that no later token completes
+    head, tail = tok.encode("ab").ids, tok.encode(" cd ef gh").ids
+    ids = [*head, stray, *tail]
+    pieces = streamed(text_decoder(tok), ids)
+    assert "".join(pieces) == tok.decode(ids) == f"ab{REPLACEMENT_CHAR} cd ef gh"
+    assert pieces[len(head)] == "", "held back while it ends in U+FFFD"
+    assert pieces[len(head) + 1] == f"{REPLACEMENT_CHAR} c", "then let go with what follows"
+    assert all(pieces[len(head) + 1 :]), "and every later token adds its text at once"
 
 
 def test_a_transformers_tokenizer_streams_the_same() -> None:
@@ -227,9 +245,7 @@ def test_streamed_text_equals_the_final_text(checkpoint: dict[str, object]) -> N
         STEP_NAMES[-1],
         checkpoint["folder"],
         PROMPTS,
-        sampling_params=params,
-        seed=3,
-        eos_token_id=(),
+        TextOptions(sampling_params=params, eos_token_id=(), engine=EngineOptions(seed=3)),
         on_output=on_output,
     )
     assert ["".join(p) for p in pieces] == result.outputs
@@ -244,8 +260,9 @@ def test_the_printer_prints_what_the_plain_command_prints(checkpoint: dict[str, 
     out = io.StringIO()
     printer = StreamPrinter(text_decoder(checkpoint["tokenizer"]), PROMPTS, out)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8)
+    options = TextOptions(sampling_params=params)
     result = generate_text(
-        STEP_NAMES[-1], checkpoint["folder"], PROMPTS, sampling_params=params, on_output=printer
+        STEP_NAMES[-1], checkpoint["folder"], PROMPTS, options, on_output=printer
     )
     assert printer.texts == result.outputs
     got = answers_of(out.getvalue())
@@ -277,8 +294,10 @@ def test_each_answer_says_why_it_stopped(
         STEP_NAMES[-1],
         checkpoint["folder"],
         PROMPTS,
-        sampling_params=SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8),
-        seed=1,
+        TextOptions(
+            sampling_params=SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8),
+            engine=EngineOptions(seed=1),
+        ),
     )
     assert result.finish_reasons == ["stop", "length", "length"]
     assert len(result.output_ids[0]) == checkpoint["eos_at"]
@@ -365,7 +384,7 @@ def test_messages_is_a_multi_turn_chat_through_the_template(
     folder = checkpoint["folder"]
     path = tmp_path / "chat.json"
     path.write_text(json.dumps(CONVERSATION, ensure_ascii=False), encoding="utf-8")
-    result = generate_text(STEP_NAMES[-1], folder, [CONVERSATION], max_new_tokens=4)
+    result = generate_text(STEP_NAMES[-1], folder, [CONVERSATION], TextOptions(max_new_tokens=4))
     hf = AutoTokenizer.from_pretrained(folder)
     want = hf.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True)
     want = list(want["input_ids"] if hasattr(want, "keys") else want)
@@ -386,17 +405,74 @@ def test_generate_text_refuses_a_conversation_it_cannot_write(
 ) -> None:
     folder = checkpoint["folder"]
     with pytest.raises(ValueError, match="own system message"):
-        generate_text(STEP_NAMES[-1], folder, [CONVERSATION], system="Be brief.")
+        generate_text(STEP_NAMES[-1], folder, [CONVERSATION], TextOptions(system="Be brief."))
     with pytest.raises(ValueError, match="chat_template=False"):
-        generate_text(STEP_NAMES[-1], folder, [CONVERSATION], chat_template=False)
+        generate_text(STEP_NAMES[-1], folder, [CONVERSATION], TextOptions(chat_template=False))
     with pytest.raises(ValueError, match="prompt 1: message 2 has no 'content'"):
         generate_text(
             STEP_NAMES[-1], folder, [[{"role": "system", "content": "x"}, {"role": "user"}]]
         )
     with pytest.raises(ValueError, match="not both"):
+        both = TextOptions(max_new_tokens=3, sampling_params=SamplingParams())
+        generate_text(STEP_NAMES[-1], folder, PROMPTS, both)
+
+
+@pytest.mark.usefixtures("no_model_load")
+def test_generate_text_refuses_an_empty_prompt(checkpoint: dict[str, object]) -> None:
+    """An empty prompt asks for nothing: refused by name, before the tokenizer would turn it
+    into a BOS alone and the model would answer that."""
+    with pytest.raises(RequestError, match="prompt 2 is empty"):
+        generate_text(STEP_NAMES[-1], checkpoint["folder"], ["Grüße", ""])
+
+
+def test_a_one_item_sampling_params_list_is_refused_like_the_engine_does(
+    checkpoint: dict[str, object],
+) -> None:
+    """``generate_text`` and ``engine.generate`` agree: a list holds one ``SamplingParams``
+    per prompt (vLLM's rule), so one item for two prompts is refused by both, with the same
+    words; one item for one prompt is served by both."""
+    from common.front.steps import load_step
+
+    one = [SamplingParams(max_tokens=2)]
+    with pytest.raises(RequestError) as text_error:
         generate_text(
-            STEP_NAMES[-1], folder, PROMPTS, max_new_tokens=3, sampling_params=SamplingParams()
+            STEP_NAMES[-1], checkpoint["folder"], PROMPTS[:2], TextOptions(sampling_params=one)
         )
+    step = load_step(STEP_NAMES[-1])
+    engine = step.PagedPrefixCacheEngine(step.TinyTransformerPaged(preset("tiny")))
+    with pytest.raises(RequestError) as engine_error:
+        engine.generate([[1, 2], [3, 4]], sampling_params=one)
+    assert str(text_error.value) == str(engine_error.value)
+    assert "1 sampling_params for 2 prompts" in str(text_error.value)
+    assert text_error.value.param == engine_error.value.param == "sampling_params"
+    served = generate_text(
+        STEP_NAMES[-1], checkpoint["folder"], PROMPTS[:1], TextOptions(sampling_params=one)
+    )
+    assert [len(ids) for ids in engine.generate([[1, 2]], sampling_params=one)] == [2]
+    assert len(served.output_ids) == 1
+
+
+def test_the_result_says_why_a_short_system_prompt_cannot_hit(
+    checkpoint: dict[str, object],
+) -> None:
+    """Prompts behind a system prompt shorter than one block share text but no full block:
+    no request can hit, and the result says so (``cache_note``), as the command line prints
+    it. In the chat template the same system prompt hits: the template's markup around it
+    fills the block. A system prompt of several blocks hits too, and nothing is said; nor
+    without a system prompt."""
+    folder, options = checkpoint["folder"], TextOptions(max_new_tokens=1, system="Hi.")
+    plain = replace(options, chat_template=False)
+    short = generate_text(STEP_NAMES[-1], folder, PROMPTS, plain)
+    assert short.stats.requests_hit == 0
+    assert short.cache_note is not None and "fewer than one block of 16" in short.cache_note
+    assert f"their first {short.system_tokens} tokens ('Hi.')" in short.cache_note
+    chat = generate_text(STEP_NAMES[-1], folder, PROMPTS, options)
+    assert chat.stats.requests_hit == len(PROMPTS) - 1 and chat.cache_note is None
+    long = generate_text(STEP_NAMES[-1], folder, PROMPTS, replace(plain, system=CORPUS[0]))
+    assert long.stats.requests_hit == len(PROMPTS) - 1 and long.cache_note is None
+    alone = generate_text(STEP_NAMES[-1], folder, PROMPTS, replace(options, system=None))
+    assert alone.system_tokens == 0 and alone.stats.requests_hit == 0  # the markup: 3 tokens
+    assert alone.cache_note is None
 
 
 # ---- bad values: one line, exit 2, before anything loads ------------------------------------
@@ -439,6 +515,11 @@ def bad_flags(folder: Path) -> list[tuple[list[str], str]]:
             [*model, "--messages", str(files / "chat.json"), "--no-chat-template"],
             "drop --no-chat-template",
         ),
+        ([*model, "--prompt", ""], "argument --prompt: an empty --prompt: give it some text"),
+        ([*model, "--system", ""], "argument --system: an empty --system: give it some text"),
+        ([*model, "--top-k", "50"], "--top-k chooses among the tokens a draw may take"),
+        ([*model, "--top-p", "0.9"], "Give --temperature (vLLM's default is 1)"),
+        ([*model, "--top-p", "0.9", "--temperature", "0"], "--top-p chooses among the tokens"),
         (["--stream"], "--stream needs --model DIR"),
         (["--temperature", "0.7"], "--temperature needs --model DIR"),
         (["--top-k", "5"], "--top-k needs --model DIR"),

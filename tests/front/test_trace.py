@@ -20,7 +20,6 @@ from types import ModuleType
 
 import pytest
 
-from common.config import preset
 from common.front import demo
 from common.front.steps import load_step
 from common.front.trace import RoundTrace, RoundTracer, format_trace
@@ -33,6 +32,11 @@ BS = 4
 POOL_LINE = re.compile(
     r"pool: (?P<free>\d+) free, (?P<in_use>\d+) in use \(\d+ cached\), (?P<only>\d+) cached only"
 )
+
+
+def demo_options(argv: list[str]) -> demo.DemoOptions:
+    """What ``python -m <step>.run argv`` (the demo) reads from its flags."""
+    return demo.read_options(demo.build_parser("run"), argv)
 
 
 def shared_prefix_prompts(seed: int, n: int = 7) -> list[list[int]]:
@@ -107,9 +111,9 @@ def test_the_trace_tells_what_the_engine_did(step: ModuleType, total_blocks: int
             assert set(w.adopted) <= set(r.pool.cached) | set(r.evicted)  # adopted: cached
             assert all(b not in r.pool.ref_counts or b in allocated for b in w.freed)
         for line in POOL_LINE.finditer(format_trace([r])):
-            assert sum(int(n) for n in line.groups()) == r.pool.total
+            assert sum(int(n) for n in line.groups()) == r.pool.total_blocks
     last = rounds[-1].pool
-    assert (last.free, len(last.cached)) == (stats.blocks_free, stats.blocks_cached)
+    assert (last.num_free, len(last.cached)) == (stats.blocks_free, stats.blocks_cached)
 
 
 def test_a_cold_batched_run_adopts_what_the_stats_call_cached(step: ModuleType) -> None:
@@ -248,9 +252,9 @@ def test_the_demo_traces_the_small_pool_round(capsys) -> None:
 def test_the_traced_demo_round_is_the_timed_one() -> None:
     """The demo traces its batched round again, after the timed rounds: the same work."""
     step = load_step(STEP_NAMES[-1])
-    args = demo.parse_args(STEP_NAMES[-1], ["--max-new-tokens", "4"])
-    cfg = preset("demo", block_size=args.block_size, total_blocks=args.total_blocks)
-    rounds = demo.traced_round(step, cfg, args)
+    options = demo_options(["--max-new-tokens", "4"])
+    cfg = options.config()
+    rounds = demo.traced_round(step, cfg, options)
     engine = step.PagedPrefixCacheEngine(step.TinyTransformerPaged(cfg), max_running=4)
     engine.generate(demo_prompts(cfg.vocab_size, cfg.block_size), 4)
     adopted = sum(len(w.adopted) for r in rounds for w in r.work)
@@ -288,7 +292,7 @@ def test_trace_png_without_matplotlib_says_how_to_get_it(
         lambda name, *args: None if name == "matplotlib" else real_find_spec(name, *args),
     )
     with pytest.raises(SystemExit) as exit_info:
-        demo.parse_args(STEP_NAMES[0], ["--trace-png", str(tmp_path / "pool.png")])
+        demo_options(["--trace-png", str(tmp_path / "pool.png")])
     assert exit_info.value.code == 2
     (error,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert "pip install -e '.[plot]'" in error
@@ -329,9 +333,8 @@ def test_step14_readme_trace_excerpts_are_real_output() -> None:
     assert len(excerpts) == 2, "the batched round, then the small-pool round"
     step = load_step(STEP_NAMES[-1])
     for excerpt, which in zip(excerpts, ["batched", "small-pool"], strict=True):
-        args = demo.parse_args(STEP_NAMES[-1], ["--trace", "--trace-round", which])
-        cfg = preset("demo", block_size=args.block_size, total_blocks=args.total_blocks)
-        trace = format_trace(demo.traced_round(step, cfg, args)).splitlines()
+        options = demo_options(["--trace", "--trace-round", which])
+        trace = format_trace(demo.traced_round(step, options.config(), options)).splitlines()
         lines = [line for line in excerpt.splitlines() if line != "..."]
         assert [line for line in lines if line not in trace] == [], which
 

@@ -1,0 +1,80 @@
+"""``python -m <step>.run``: one command, several front ends, chosen by a flag.
+
+``--model DIR`` serves a checkpoint's text (``text_cli.py``); without it, the chapter's demo
+runs (``demo.py``). Every front end is a module with the same three functions:
+``build_parser(prog)`` defines its flags, ``read_options(parser, argv)`` checks them and reads
+them into a frozen options object, and ``run(step_name, options)`` does the work and returns the
+exit status. A new front end is one more entry of ``FRONT_ENDS``.
+
+Nothing heavy is imported here until a front end is chosen, so that ``run_command``, what
+``python -m <step>.run`` runs, answers Ctrl-C with one line from the start: also in the seconds
+when torch is still being imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+
+from ..errors import interrupted
+
+
+@dataclass(frozen=True)
+class FrontEnd:
+    module: str  # in common/front/
+    flag: str | None  # the flag that chooses it; None: the front end run without any
+    # What a flag of its own is told when it comes to another front end ({flag}: the flag).
+    stray: str
+
+
+FRONT_ENDS = (  # the first whose flag is given runs
+    FrontEnd(
+        "text_cli",
+        "--model",
+        "{flag} needs --model DIR (a checkpoint's text): the demo serves its own requests",
+    ),
+    FrontEnd("demo", None, "{flag} is for the demo's own rounds: it does not go with --model"),
+)
+
+
+def main(step_name: str, argv: list[str] | None = None) -> int:
+    """The front end that ``argv`` chooses, with ``argv``: its flags checked, then its run."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    given = {word.split("=")[0] for word in argv if word.startswith("--")}
+    chosen = next(f for f in FRONT_ENDS if f.flag is None or f.flag in given)
+    module = load(chosen)
+    parser = module.build_parser(f"python -m {step_name}.run")
+    refuse_strays(parser, chosen, given)
+    return module.run(step_name, module.read_options(parser, argv))
+
+
+def run_command(step_name: str) -> int:
+    """``python -m <step>.run`` itself: ``main``, where Ctrl-C at any moment, while the front
+    end and torch are imported too, ends with one line."""
+    try:
+        return main(step_name)
+    except KeyboardInterrupt:
+        return interrupted(f"python -m {step_name}.run")
+
+
+def load(front_end: FrontEnd) -> ModuleType:
+    return importlib.import_module(f"{__package__}.{front_end.module}")
+
+
+def refuse_strays(parser: argparse.ArgumentParser, chosen: FrontEnd, given: set[str]) -> None:
+    """A flag of another front end is refused in one line that says which flag it needs,
+    rather than argparse's "unrecognized arguments"."""
+    mine = flags_of(parser)
+    for other in FRONT_ENDS:
+        if other is not chosen:
+            theirs = flags_of(load(other).build_parser("")) - mine
+            for flag in sorted(given & theirs):
+                parser.error(other.stray.format(flag=flag))
+
+
+def flags_of(parser: argparse.ArgumentParser) -> set[str]:
+    """Every flag ``parser`` takes (argparse has no public list: its actions hold them)."""
+    return {flag for action in parser._actions for flag in action.option_strings}
