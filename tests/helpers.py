@@ -8,7 +8,7 @@
   ``assert_engine_matches_reference``;
 - a step's files as they are on disk: ``step_files``, ``function_tree``, ``python_loops``;
 - the command line: ``usage_error``, ``bench_usage_error``, ``run_python``;
-- a checkpoint's files: ``edit_json``.
+- a checkpoint's files: ``edit_json``; Hugging Face's own answers: ``hf_greedy``.
 """
 
 from __future__ import annotations
@@ -264,3 +264,29 @@ def edit_json(path: Path, **changes: object) -> None:
     data = json.loads(path.read_text())
     data.update(changes)
     path.write_text(json.dumps(data))
+
+
+def hf_greedy(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos: int | list[int] | None = None,
+) -> list[list[int]]:
+    """Hugging Face ``generate`` (``model``: a ``LlamaForCausalLM``), greedy, one prompt at a
+    time (no padding): each answer's new ids, cut before the first of the ``eos`` ids (HF keeps
+    it; the text front end drops it)."""
+    stops = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
+        outputs.append(out[: next((i for i, t in enumerate(out) if t in stops), len(out))])
+    return outputs

@@ -232,16 +232,14 @@ def describe_work(w: Work, width: int) -> str:
         parts.append(f"decode @{w.start}")
     if w.short and not w.allocated:
         parts.append(f"no block for {w.short}")
-    if w.evicted:
-        parts.append(f"evict {blocks(w.evicted)}")
-    if w.allocated:
-        parts.append(f"alloc {blocks(w.allocated)}")
-    if w.cached:
-        parts.append(f"cache {blocks(w.cached)}")
-    if w.copies:
-        parts.append(f"full {blocks(w.copies)} not cached (the cache has that prefix)")
-    if w.orphans:
-        parts.append(f"full {blocks(w.orphans)} not cached (the block before it is not)")
+    moved = {
+        "evict {}": w.evicted,
+        "alloc {}": w.allocated,
+        "cache {}": w.cached,
+        "full {} not cached (the cache has that prefix)": w.copies,
+        "full {} not cached (the block before it is not)": w.orphans,
+    }
+    parts += [words.format(blocks(ids)) for words, ids in moved.items() if ids]
     if w.waits:
         parts.append("waits (its first chunk does not fit)")
     if w.ended:

@@ -55,30 +55,12 @@ from common.front import text_cli
 from common.front.cli import EngineOptions
 from common.front.hf import default_max_positions, hf_llama
 from common.front.text import TextCodec, TextOptions, generate_text, load_tokenizer
-from tests.helpers import STEP_NAMES, edit_json
+from tests.helpers import STEP_NAMES, edit_json, hf_greedy
 from tests.toy_checkpoint import CFG, VOCAB, WORDS, word_tokenizer
 
 SYSTEM = "a small happy bird sat on the old tree today and it was here"
 PROMPTS = ["the cat sat on", "two red dog ran under the big", "it was morning"]
 NEW_TOKENS = 10
-
-
-def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], eos: int | None) -> list[list[int]]:
-    """HF ``generate``, one prompt at a time, cut before the eos (which HF keeps)."""
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=eos,
-                pad_token_id=0,
-            )[0, len(prompt) :].tolist()
-        outputs.append(out[: out.index(eos)] if eos in out else out)
-    return outputs
 
 
 def save_model(folder: Path, cfg: ModelConfig, **config_changes: object) -> Path:
@@ -111,7 +93,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     model.save_pretrained(sharded, max_shard_size="40KB")
     tokenizer = word_tokenizer()
     prompt_ids = [TextCodec(tokenizer, None, []).completion_ids(p, SYSTEM) for p in PROMPTS]
-    free_run = hf_greedy(model, prompt_ids, eos=None)
+    free_run = hf_greedy(model, prompt_ids, NEW_TOKENS)
     eos = next(  # a token that some answer reaches after two others
         t for out in free_run for i, t in enumerate(out) if i >= 2 and t not in out[:i]
     )
@@ -123,7 +105,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "sharded": sharded,
         "eos": eos,
         "prompt_ids": prompt_ids,
-        "expected": hf_greedy(model, prompt_ids, eos),
+        "expected": hf_greedy(model, prompt_ids, NEW_TOKENS, eos),
         "tokenizer": tokenizer,
     }
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import reference_tokens, tiny_config
+from tests.helpers import hf_greedy, reference_tokens, tiny_config
 
 CFG = tiny_config()
 SYSTEM = list(range(1, 13))  # three blocks of 4, shared
@@ -196,21 +196,7 @@ def hf_generate(
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
-    outs = []
-    for prompt in prompt_ids:
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=new_tokens,
-                do_sample=False,
-                eos_token_id=eos,
-                pad_token_id=0,
-            )[0, len(prompt) :].tolist()
-        cut = next((i for i, t in enumerate(out) if t in eos), len(out))
-        outs.append(out[:cut])
-    return outs
+    return hf_greedy(model, prompt_ids, new_tokens, eos)
 
 
 @pytest.fixture(scope="module")

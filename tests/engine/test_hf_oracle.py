@@ -25,6 +25,7 @@ from common.config import Llama3RopeScaling, ModelConfig, preset
 from common.front.hf import hf_llama
 from common.numbers import cdiv
 from common.reference import ReferenceModel
+from tests.helpers import hf_greedy as hf_greedy_of
 
 # HF computes its RoPE angles in float32 even for a float64 model, so against our float64
 # logits it is off by ~1e-5 (observed 7e-6 .. 1.2e-5 on logits of std ~8); in float32, HF's
@@ -82,19 +83,7 @@ def hf_model(cfg: ModelConfig) -> torch.nn.Module:
 @cache
 def hf_greedy(cfg: ModelConfig, max_new_tokens: int) -> list[list[int]]:
     """HF ``generate`` per prompt (no padding), greedy, exactly ``max_new_tokens`` tokens."""
-    model, outputs = hf_model(cfg), []
-    for prompt in prompts_for(cfg):
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+    return hf_greedy_of(hf_model(cfg), prompts_for(cfg), max_new_tokens)
 
 
 def hf_logits(cfg: ModelConfig, tokens: list[int]) -> torch.Tensor:
