@@ -26,17 +26,12 @@ from ..errors import interrupted
 class FrontEnd:
     module: str  # in common/front/
     flag: str | None  # the flag that chooses it; None: the front end run without any
-    # What a flag of its own is told when it comes to another front end ({flag}: the flag).
-    stray: str
+    what: str  # what it serves, for the line that refuses one of its flags elsewhere
 
 
-FRONT_ENDS = (  # the first whose flag is given runs
-    FrontEnd(
-        "text_cli",
-        "--model",
-        "{flag} needs --model DIR (a checkpoint's text): the demo serves its own requests",
-    ),
-    FrontEnd("demo", None, "{flag} is for the demo's own rounds: it does not go with --model"),
+FRONT_ENDS = (  # the first whose flag is given runs: a chat loop (--chat) would come first
+    FrontEnd("text_cli", "--model", "--model DIR (a checkpoint's text)"),
+    FrontEnd("demo", None, "the demo's own requests"),
 )
 
 
@@ -70,9 +65,10 @@ def refuse_strays(parser: argparse.ArgumentParser, chosen: FrontEnd, given: set[
     mine = flags_of(parser)
     for other in FRONT_ENDS:
         if other is not chosen:
-            theirs = flags_of(load(other).build_parser("")) - mine
-            for flag in sorted(given & theirs):
-                parser.error(other.stray.format(flag=flag))
+            for flag in sorted(given & (flags_of(load(other).build_parser("")) - mine)):
+                if other.flag is not None and other.flag not in given:
+                    parser.error(f"{flag} needs {other.what}")
+                parser.error(f"{flag} is for {other.what}: it does not go with {chosen.flag}")
 
 
 def flags_of(parser: argparse.ArgumentParser) -> set[str]:

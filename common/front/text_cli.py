@@ -255,13 +255,13 @@ def messages_file(name: str) -> list[dict[str, str]]:
 # ---- the run --------------------------------------------------------------------------------
 
 
-def run(step_name: str, run: TextRun) -> int:
+def run(step_name: str, options: TextRun) -> int:
     """Check, load, serve, print (``--stream``: as the answers grow), trace on request. A
     problem with the checkpoint or a request is one ``error:`` line on stderr and exit
     status 1 (a traceback is left for bugs)."""
-    run.text.engine.set_threads()
+    options.text.engine.set_threads()
     prog = f"python -m {step_name}.run"
-    return report_user_errors(prog, lambda: serve_text(load_step(step_name), run))
+    return report_user_errors(prog, lambda: serve_text(load_step(step_name), options))
 
 
 def serve_text(step: ModuleType, run: TextRun) -> int:

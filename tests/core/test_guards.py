@@ -253,7 +253,7 @@ def test_trace_round_with_a_checkpoint_is_refused(toy_checkpoint: Path, capsys) 
     run = __import__(f"{STEP_NAMES[0]}.run").run
     argv = ["--model", str(toy_checkpoint), "--trace", "--trace-round", "small-pool"]
     line = usage_error(run.main, argv, capsys)
-    assert "--trace-round is for the demo's own rounds: it does not go with --model" in line
+    assert "--trace-round is for the demo's own requests: it does not go with --model" in line
 
 
 def test_bench_dtype_auto_needs_a_checkpoint(capsys) -> None:

@@ -573,12 +573,10 @@ def test_a_flag_of_the_other_front_end_says_which_flag_it_needs(
     toy_checkpoint: Path, capsys
 ) -> None:
     text_only = usage_error(FIRST_RUN.main, ["--max-new-tokens", "2", "--stream"], capsys)
-    assert text_only.endswith(
-        "error: --stream needs --model DIR (a checkpoint's text): the demo serves its own requests"
-    )
+    assert text_only.endswith("error: --stream needs --model DIR (a checkpoint's text)")
     model = ["--model", str(toy_checkpoint)]
     demo_only = usage_error(FIRST_RUN.main, [*model, "--trace-round", "batched"], capsys)
-    assert "--trace-round is for the demo's own rounds: it does not go with --model" in demo_only
+    assert "--trace-round is for the demo's own requests: it does not go with --model" in demo_only
     typo = usage_error(FIRST_RUN.main, ["--strem"], capsys)
     assert "unrecognized arguments: --strem" in typo
 
