@@ -447,7 +447,7 @@ def short_prefix_note(shared: int, text: str, block_size: int) -> str:
     return (
         f"The prompts share their first {plural(shared, 'token')} ({shorten(text, 30)!r}), fewer "
         f"than one block of {block_size}: only full blocks are shared, so none of it came from "
-        f"the cache. A longer shared part (a system prompt), or a block_size of {smaller} "
+        f"the cache. A longer system prompt, or a block_size of {smaller} "
         f"(--block-size {smaller}), would let the requests share it."
     )
 
