@@ -34,7 +34,8 @@ from .cli import (
     trace_options,
 )
 from .steps import load_step
-from .trace import RoundTrace, RoundTracer, show_trace
+from .trace import RoundTrace, RoundTracer
+from .trace_plot import show_trace
 from .workload import demo_prompts
 
 DESCRIPTION = """\

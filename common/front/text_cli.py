@@ -47,7 +47,8 @@ from .text import (
     prepare_requests,
     serve,
 )
-from .trace import RoundTracer, show_trace
+from .trace import RoundTracer
+from .trace_plot import show_trace
 
 EXAMPLE_PROMPT = "The capital of France is"  # what --model DIR answers without --prompt
 

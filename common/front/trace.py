@@ -26,7 +26,6 @@ from typing import Any, Protocol
 from ..observer import RoundObserver
 from ..snapshot import PoolSnapshot
 from ..status import SequenceStatus
-from .cli import TraceOptions
 
 # Why a request's blocks went back (``KVCacheManager.free``) during a round, by its status: the
 # engine frees a finished request after its last token, and a preempted one right after
@@ -350,13 +349,3 @@ def trace_header(what: str, rounds: list[RoundTrace]) -> str:
         f"(the requests holding it, + 1 if the cache does).",
         width=100,
     )
-
-
-def show_trace(options: TraceOptions, what: str, rounds: list[RoundTrace], title: str) -> None:
-    """``--trace``: the rounds as text, after a header; ``--trace-png``: the picture."""
-    if options.show:
-        print(f"\n{trace_header(what, rounds)}\n\n{format_trace(rounds)}")
-    if options.png is not None:
-        from .trace_plot import draw_pool  # matplotlib: only when a picture is asked for
-
-        print(f"\nThe pool, blocks x rounds: {draw_pool(rounds, options.png, title)}")

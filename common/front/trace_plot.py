@@ -1,5 +1,6 @@
-"""A picture of the block pool: blocks x rounds, each cell coloured by what held the block at
-the end of that round (``python -m <step>.run --trace-png FILE``).
+"""The trace shown: ``show_trace`` prints it (``--trace``) and draws it (``--trace-png FILE``),
+a picture of the block pool, blocks x rounds, each cell coloured by what held the block at the
+end of that round.
 
 It draws the records of ``common.front.trace.RoundTracer``. A cell is white when the block is free,
 dotted grey when only the prefix cache holds it (ref_count 1: evictable), filled with a
@@ -8,7 +9,8 @@ share it. A black corner says the cache holds it too. A cross marks a block the 
 that round; ``P`` and the request's id above a column mark a preemption. Every state differs in
 pattern or text, not in hue alone, so the picture reads in greyscale too.
 
-Needs matplotlib (``pip install -e '.[plot]'``); nothing else imports this module.
+Drawing needs matplotlib (``pip install -e '.[plot]'``), imported only when a picture is asked
+for.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .trace import RoundTrace
+from .cli import TraceOptions
+from .trace import RoundTrace, format_trace, trace_header
 
 # One colour per request (by id, cycling), light enough for black text, of varied lightness.
 REQUEST_COLOURS = [
@@ -33,6 +36,14 @@ REQUEST_COLOURS = [
 ]
 SHARED_COLOUR = "#6baed6"
 CACHED_ONLY_COLOUR = "0.82"
+
+
+def show_trace(options: TraceOptions, what: str, rounds: list[RoundTrace], title: str) -> None:
+    """``--trace``: the rounds as text, after a header; ``--trace-png``: the picture."""
+    if options.show:
+        print(f"\n{trace_header(what, rounds)}\n\n{format_trace(rounds)}")
+    if options.png is not None:
+        print(f"\nThe pool, blocks x rounds: {draw_pool(rounds, options.png, title)}")
 
 
 def used_blocks(rounds: list[RoundTrace]) -> list[int]:
