@@ -1,2 +1,3 @@
-"""Benchmarks: pytest-benchmark suites (``python -m pytest bench/``) and the side-by-side showcase
-(``python -m bench``)."""
+"""``python -m bench``: every step side by side, on one of four workloads (``bench/workloads/``),
+beside other engines on the same weights (``bench/peers/``). The pytest-benchmark suites live
+apart, in ``bench/suites/``: ``python -m pytest bench/suites/test_ops.py``."""

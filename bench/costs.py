@@ -1,14 +1,17 @@
 """What a row computed and what it held: model FLOPs, KV memory, and the machine's own limit.
 
-Seconds alone do not say why a row is slow. Next to them the showcase prints
+Seconds alone do not say why a row is slow. Next to them ``python -m bench`` prints
 
 - the **model FLOPs** a row really did (``model_flops``): the arithmetic its tokens need, counted
   by one formula for every row, so that FLOPs / seconds says how close a row came to
 - the **machine's matmul rate** (``matmul_gflops``): one large float32 matmul at the same thread
   count, about the best this machine does. A row far below it is bound by overhead (Python,
   small kernels, copies), not by arithmetic;
-- the **peak KV memory** a row held: paged blocks for the engine (``paged_kv_bytes``), a dense
-  ``[batch, positions]`` cache for Hugging Face (``dense_kv_bytes``).
+- the **FLOP floor** of the workload (``floor_work``): what any engine must compute at the
+  least, every distinct prompt prefix once; at the machine's rate, the time no engine beats;
+- the **peak KV memory** a row held: paged blocks for the engine
+  (``common.memory.kv_bytes_per_block``), a dense ``[batch, positions]`` cache for a peer
+  without one (``dense_kv_bytes``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from common.config import ModelConfig
+from common.device import synchronize
+from common.memory import linear_params_per_layer
 from common.observer import RoundObserver
 
 MIB = 2**20
@@ -47,14 +52,6 @@ class TokenWork:
         self.context += length * start + length * (length + 1) // 2
 
 
-def linear_params_per_layer(cfg: ModelConfig) -> int:
-    """Weights of one layer's matmuls: q, k, v, o (k and v shrink with grouped-query attention)
-    and the three of the SwiGLU MLP. The norms are element-wise and not counted."""
-    q_width, kv_width = cfg.num_heads * cfg.d_head, cfg.num_kv_heads * cfg.d_head
-    attention = cfg.d_model * (2 * q_width + 2 * kv_width)  # q_proj + o_proj, k_proj + v_proj
-    return attention + 3 * cfg.d_model * cfg.d_ff
-
-
 def model_flops(cfg: ModelConfig, work: TokenWork) -> int:
     """The FLOPs of ``work`` through the model ``cfg`` (one multiply-add = 2 FLOPs):
 
@@ -76,21 +73,58 @@ def model_flops(cfg: ModelConfig, work: TokenWork) -> int:
     return per_token * work.tokens + attention + lm_head
 
 
-def dense_work(batch: int, prompt_len: int, new_tokens: int) -> TokenWork:
-    """What a dense ``generate`` of ``batch`` equal-length prompts computes: every prompt token
-    (no prefix cache), then ``new_tokens - 1`` decode steps (the last new token is never fed
-    back); every sequence attends over all of its positions."""
+def dense_work(
+    batch: int, prompt_len: int, new_tokens: int, shared: int = 0, shared_cached: bool = False
+) -> TokenWork:
+    """What a dense batch of ``batch`` equal-length prompts computes: the first ``shared``
+    prompt tokens once for all (CTranslate2's static prompt; none for HF's ``generate``, which
+    computes every prompt token, and none at all when ``shared_cached``: a cache held them),
+    then each prompt's other tokens, then ``new_tokens - 1`` decode steps (the last new token is
+    never fed back); every sequence attends over all of its positions."""
     work = TokenWork(sampled=batch * new_tokens)
+    if not shared_cached:
+        work.add_chunk(0, shared)
     for _ in range(batch):
-        work.add_chunk(0, prompt_len)
+        work.add_chunk(shared, prompt_len - shared)
         work.add_chunk(prompt_len, new_tokens - 1)  # one token per step, positions in a row
     return work
 
 
-def paged_kv_bytes(cfg: ModelConfig, blocks: int) -> int:
-    """The KV memory of ``blocks`` paged blocks: each holds K and V for ``block_size`` tokens in
-    every layer (``2 x num_layers x block_size x num_kv_heads x d_head x dtype bytes``)."""
-    return blocks * cfg.block_size * cfg.kv_bytes_per_token()
+def floor_work(prompts: list[list[int]], answers: list[list[int]]) -> TokenWork:
+    """The least any engine computes to give ``answers``: every distinct prompt prefix once
+    (the nodes of the prompts' trie: a prefix the requests share counts once, as if the best
+    possible cache computed it for all), then each answer's tokens but the last, fed back.
+    What a paged prefix cache computes on a cold start when the requests leapfrog through a
+    shared prefix, block size aside; what a dense batch computes many times over."""
+    work = TokenWork(sampled=sum(len(answer) for answer in answers))
+    trie: dict[int, dict] = {}
+    for prompt in prompts:
+        node = trie
+        for position, token in enumerate(prompt):
+            if token not in node:
+                node[token] = {}
+                work.add_chunk(position, 1)
+            node = node[token]
+    for prompt, answer in zip(prompts, answers, strict=True):
+        work.add_chunk(len(prompt), max(len(answer) - 1, 0))
+    return work
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The workload's FLOP floor (``floor_work``) and the machine's matmul rate: together,
+    the time no engine could beat on this machine, and the yardstick of every row."""
+
+    flops: int
+    machine_gflops: float
+
+    @property
+    def seconds(self) -> float:
+        return self.flops / (self.machine_gflops * 1e9)
+
+    def multiple(self, seconds: float) -> float:
+        """How many times the floor ``seconds`` is."""
+        return seconds / self.seconds
 
 
 def dense_kv_bytes(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: int) -> int:
@@ -139,15 +173,9 @@ def matmul_gflops(device: str = "cpu", n: int = MATMUL_N, repeats: int = 10) -> 
     torch.mm(a, b)  # first call: allocation and kernel selection, not timed
     best = float("inf")
     for _ in range(repeats):
-        wait_for(device)  # a GPU runs asynchronously: time only this matmul
+        synchronize(device)  # a GPU runs asynchronously: time only this matmul
         start = time.perf_counter()
         torch.mm(a, b)
-        wait_for(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best / 1e9
-
-
-def wait_for(device: str) -> None:
-    """Block until ``device`` has finished its queued work (a no-op on the CPU)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)

@@ -3,6 +3,7 @@
 - ``step``, ``make_engine``: a step package, and engines of it that cannot hang a test;
 - ``guard_every_engine``: the same guard for engines a test does not build itself (the bench's);
 - ``no_work``: a command line that gets past its flag checks fails the test;
+- ``no_cuda``: torch behaves as a CPU-only build, GPU or not;
 - ``toy_checkpoint``: a tiny Llama checkpoint folder with a word-level tokenizer.
 
 Plain helper functions are in ``tests/helpers.py``; no test imports from this file.
@@ -63,7 +64,7 @@ def make_engine(step: ModuleType) -> Iterator[EngineFactory]:
 def guard_every_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every engine of every step built while the test runs fails after
     ``MAX_ROUNDS_PER_ENGINE`` rounds instead of hanging, as ``make_engine``'s do: for tests
-    that drive engines they do not build, e.g. through ``bench/harness.py``'s ``StepRunner``
+    that drive engines they do not build, e.g. through ``bench/batch.py``'s ``BatchRunner``
     (whose ``serve_requests`` steps ``while engine.has_work``, with no bound)."""
     for name in STEP_NAMES:
         engine_class = load_step(name).PagedPrefixCacheEngine
@@ -78,18 +79,23 @@ def guard_every_engine(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail the test if a command line gets past its flag checks: ``python -m bench`` loading a
-    model, building a step or the dense reference, timing the machine; a step's ``run.py`` (the
-    demo) loading its step."""
-    from bench import showcase
+    """Fail the test if a command line gets past its flag checks: ``python -m bench`` starting
+    its workload's run (where any model is loaded, the machine timed or the reference built); a
+    step's ``run.py`` (the demo) loading its step."""
+    from bench import cli
     from common.front import demo
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("work started before the flags were checked")
 
-    for name in ("load_model", "StepRunner", "matmul_gflops", "Reference"):
-        monkeypatch.setattr(showcase, name, refuse)
+    monkeypatch.setattr(cli, "run_workload", refuse)
     monkeypatch.setattr(demo, "load_step", refuse)
+
+
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Behave like a CPU-only torch even on a machine with a GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@
 - driving an engine: ``run_rounds``, ``log_schedules``, ``guard_against_hangs``,
   ``assert_engine_matches_reference``;
 - a step's files as they are on disk: ``step_files``, ``function_tree``, ``python_loops``;
-- the command line: ``usage_error``, ``bench_usage_error``, ``run_python``;
+- the command line: ``usage_error``, ``bench_usage_error``, ``NOT_INTEGERS``, ``run_python``;
 - a checkpoint's files: ``edit_json``; Hugging Face's own answers: ``hf_greedy``.
 """
 
@@ -231,11 +231,15 @@ def usage_error(
     return errors[0]
 
 
+# What an integer flag must refuse: argparse's int() would take none of them, but float() all.
+NOT_INTEGERS = ["2.5", "1e3", "inf", "nan", "-inf", "3.0"]
+
+
 def bench_usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     """``python -m bench argv`` must exit 2 before any work, with one ``error:`` line."""
-    from bench import showcase
+    from bench.cli import main
 
-    line = usage_error(showcase.main, argv, capsys)
+    line = usage_error(main, argv, capsys)
     assert line.startswith("python -m bench: error:")
     return line
 

@@ -3,7 +3,7 @@
 Our parameter names are HF's, so the very same state dict loads into ``LlamaForCausalLM``.
 The tests compare every step with it (``tests/engine/test_hf_oracle.py``): a convention that the
 project's own dense reference shares with the steps (the RoPE layout, the K/V head a query
-head reads) cannot hide from a model written by someone else. ``bench/hf.py`` times it.
+head reads) cannot hide from a model written by someone else. ``bench/peers/hf.py`` times it.
 
 Needs ``transformers`` (``pip install -e '.[hf]'``), imported only when called.
 """

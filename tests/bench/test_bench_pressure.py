@@ -23,15 +23,15 @@ from types import ModuleType
 
 import pytest
 
-from bench import report, showcase
-from bench.harness import (
-    PRESSURE,
-    RunResult,
-    StepRunner,
-    Workload,
-    bench_config,
-    pressure_workload,
-)
+from bench import cli
+from bench.batch import BatchRunner, Row, RunResult
+from bench.costs import Floor
+from bench.models import bench_config, load_step_model
+from bench.reference import Reference
+from bench.rows import notes, table
+from bench.workloads import pressure
+from bench.workloads.pressure import Pressure
+from bench.workloads.shared_prefix import SharedPrefix
 from common.config import preset
 from common.front.workload import pressure_prompt_lengths, pressure_prompts
 from common.inputs import blocks_for_request
@@ -44,15 +44,16 @@ pytestmark = pytest.mark.usefixtures("guard_every_engine")
 
 
 def test_each_workload_has_its_own_defaults() -> None:
-    shared = showcase.parse_args([])
+    shared = cli.parse([])
     assert shared.workload == "shared-prefix"
     got = (shared.requests, shared.new_tokens, shared.max_running, shared.block_size)
     assert got == (16, 32, 0, 16) and shared.total_blocks is None
     assert (shared.prefix_len, shared.tail_len) == (256, 32)
-    pressure = showcase.parse_args(["--workload", "pressure"])
-    got = (pressure.requests, pressure.new_tokens, pressure.max_running, pressure.block_size)
-    assert got == (24, 64, 8, 4) and pressure.total_blocks == 48
-    given = showcase.parse_args(["--workload", "pressure", "--requests", "5", "--block-size", "8"])
+    small = cli.parse(["--workload", "pressure"])
+    got = (small.requests, small.new_tokens, small.max_running, small.block_size)
+    assert got == (24, 64, 8, 4) and small.total_blocks == 48
+    assert (small.prefix_len, small.tail_len) == (None, None)  # not read
+    given = cli.parse(["--workload", "pressure", "--requests", "5", "--block-size", "8"])
     assert (given.requests, given.block_size, given.new_tokens) == (5, 8, 64)
 
 
@@ -67,7 +68,7 @@ def test_the_pressure_prompts_are_short_and_drawn_lengths_first() -> None:
 
 def test_worst_case_reservation_runs_about_two_at_a_time() -> None:
     """The arithmetic the bench prints under its table: 48 // 17 = 2."""
-    w = pressure_workload()
+    w = Pressure()
     reserved = [blocks_for_request(n, w.max_new_tokens, 4) for n in w.prompt_lengths()]
     assert min(reserved) >= 17 and w.total_blocks // min(reserved) == 2
 
@@ -76,10 +77,10 @@ def test_worst_case_reservation_runs_about_two_at_a_time() -> None:
 @pytest.mark.parametrize(
     ("argv", "need"),
     [
-        (["--workload", "pressure", "--total-blocks", "18"], "needs 19 blocks of 4 tokens"),
-        (["--total-blocks", "19"], "needs 20 blocks of 16 tokens (288 prompt + 32 new"),
+        (["--workload", "pressure", "--total-blocks", "18"], "needs 19 KV blocks of 4 tokens"),
+        (["--total-blocks", "19"], "288 prompt + 32 new tokens needs 20 KV blocks of 16 tokens"),
         (["--workload", "pressure", "--new-tokens", "200", "--total-blocks", "48"], "needs 53"),
-        (["--block-size", "8", "--total-blocks", "39"], "needs 40 blocks of 8 tokens"),
+        (["--block-size", "8", "--total-blocks", "39"], "needs 40 KV blocks of 8 tokens"),
     ],
     ids=["pressure", "shared-prefix", "more-new-tokens", "block-size"],
 )
@@ -88,8 +89,8 @@ def test_a_pool_too_small_for_the_largest_request_is_refused(
 ) -> None:
     line = bench_usage_error(argv, capsys)
     blocks = argv[argv.index("--total-blocks") + 1]
-    assert f"--total-blocks {blocks} is too small: the largest request {need}" in line, line
-    assert "the engine would refuse it" in line
+    assert need in line and f"the pool has {blocks}: raise total_blocks (--total-blocks)" in line
+    assert "(--max-new-tokens)" in line  # the core's flag name, which the bench takes too
 
 
 @pytest.mark.usefixtures("no_work")
@@ -110,13 +111,15 @@ def test_bad_pressure_flags_are_one_error_line(argv: list[str], message: str, ca
 
 
 def test_a_pool_exactly_the_largest_request_is_accepted() -> None:
-    args = showcase.parse_args(["--workload", "pressure", "--total-blocks", "19"])
-    assert args.total_blocks == 19 == showcase.workload_of(args).largest_request_blocks(4)
+    options = cli.parse(["--workload", "pressure", "--total-blocks", "19"])
+    longest = max(pressure.workload_of(options).prompt_lengths())
+    assert options.total_blocks == 19 == blocks_for_request(longest, 64, 4)
+    assert cli.parse(["--workload", "pressure", "--max-new-tokens", "9"]).new_tokens == 9
 
 
 def test_help_names_each_workloads_default(capsys) -> None:
     with pytest.raises(SystemExit):
-        showcase.main(["--help"])
+        cli.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert (
         "(default: 16 for shared-prefix, 24 for pressure, unused for scale, 32 for serving)" in text
@@ -136,22 +139,22 @@ MODEL = "demo"  # python -m bench's default
 
 
 @cache
-def pressure_setup(total_blocks: int, model: str = MODEL) -> tuple[Workload, list, list]:
+def pressure_setup(total_blocks: int, model: str = MODEL) -> tuple[Pressure, list, list]:
     """(workload with its eos ids, prompts, the dense reference's tokens), as the bench makes
     them: eos from the reference's own answers, each request stopped at its eos."""
-    workload = pressure_workload(total_blocks=total_blocks)
+    workload = Pressure(total_blocks=total_blocks)
     cfg = bench_config(workload, model, block_size=4)
     prompts = workload.prompts(cfg.vocab_size)
-    reference = showcase.Reference(cfg, None)
-    workload = showcase.pick_eos(workload, prompts, reference)
-    return workload, prompts, showcase.reference_tokens(reference, prompts, workload)
+    reference = Reference(cfg, None)
+    workload = pressure.pick_eos(workload, prompts, reference)
+    return workload, prompts, reference.tokens(prompts, workload.max_new_tokens, workload.eos)
 
 
 @cache
 def pressure_run(step_name: str, total_blocks: int, model: str = MODEL) -> RunResult:
     workload, prompts, _ = pressure_setup(total_blocks, model)
     cfg = bench_config(workload, model, block_size=4)
-    return StepRunner(step_name, cfg).run(prompts, workload)
+    return BatchRunner(load_step_model(step_name, cfg)).run(prompts, workload)
 
 
 def figures(result: RunResult) -> dict:
@@ -194,7 +197,9 @@ def test_a_run_reports_the_engine_s_own_counters() -> None:
     """requests/round and preemptions come from EngineStats' own fields, not a neighbour that
     happens to be non-zero too (evictions, resumed tokens, requests)."""
     workload, prompts, expected = pressure_setup(24, "tiny")
-    runner = StepRunner(STEP_NAMES[-1], bench_config(workload, "tiny", block_size=4))
+    runner = BatchRunner(
+        load_step_model(STEP_NAMES[-1], bench_config(workload, "tiny", block_size=4))
+    )
     engine = runner.engine(workload)
     result = runner.serve(engine, prompts, workload)
     s = engine.stats
@@ -210,12 +215,12 @@ def test_a_run_reports_the_engine_s_own_counters() -> None:
 
 
 def test_a_stuck_engine_fails_the_test_instead_of_hanging() -> None:
-    """The guard the tests here run under: an engine ``StepRunner`` builds, left with a request
+    """The guard the tests here run under: an engine ``BatchRunner`` builds, left with a request
     that its rounds never schedule (a livelock), raises once it has run
     ``MAX_ROUNDS_PER_ENGINE`` rounds, instead of looping for ever in ``serve_requests``."""
-    workload = pressure_workload()
-    runner = StepRunner(STEP_NAMES[-1], bench_config(workload, "tiny", block_size=4))
-    engine = runner.engine(workload)
+    workload = Pressure()
+    model = load_step_model(STEP_NAMES[-1], bench_config(workload, "tiny", block_size=4))
+    engine = BatchRunner(model).engine(workload)
     engine.add_request([1, 2, 3], 2)
     engine._schedule = lambda: iter(())  # every round runs nobody: the request never moves
     for _ in range(MAX_ROUNDS_PER_ENGINE):
@@ -234,8 +239,11 @@ def test_the_default_pool_is_roomy_enough_never_to_preempt() -> None:
 # ---- what the bench prints ---------------------------------------------------------------------
 
 
-def fake_row(name: str, result: RunResult) -> showcase.Row:
-    return showcase.Row(name, "what it fixed", [1.0], result, new_tokens=16)
+FLOOR = Floor(10**9, 100.0)
+
+
+def fake_row(name: str, result: RunResult) -> Row:
+    return Row(name, "what it fixed", [result])
 
 
 def cells(table: str) -> list[dict[str, str]]:
@@ -253,24 +261,25 @@ def test_the_table_shows_requests_per_round_and_preemptions() -> None:
         [[1]], 1.0, requests=4, prompt_tokens=40, rounds=8, seqs_scheduled=52, preemptions=3
     )
     hf = RunResult([[1]], 1.0)
-    rows = cells(report.table([fake_row("step14", engine)], [fake_row("HF generate", hf)]))
+    rows = cells(table([fake_row("step14", engine)], [fake_row("HF generate", hf)], FLOOR))
     assert (rows[0]["requests/round"], rows[0]["preemptions"]) == ("6.50", "3")
     assert (rows[1]["requests/round"], rows[1]["preemptions"]) == ("-", "-")
     no_preemption = RunResult([[1]], 1.0, requests=4, prompt_tokens=40, rounds=2, seqs_scheduled=8)
-    assert cells(report.table([fake_row("step14", no_preemption)], []))[0]["preemptions"] == "0"
+    assert cells(table([fake_row("step14", no_preemption)], [], FLOOR))[0]["preemptions"] == "0"
 
 
 def test_the_notes_say_what_reservation_would_run() -> None:
-    workload = pressure_workload(eos=tuple(range(24)))
+    workload = Pressure(eos=tuple(range(24)))
     cfg = preset(MODEL, block_size=4, total_blocks=48)
     outputs = [[1] * 9] * 24
     result = RunResult(outputs, 1.0, requests=24, rounds=37, seqs_scheduled=243, preemptions=0)
-    text = " ".join(report.notes([fake_row("step14", result)], cfg, workload, 1, 1.0).split())
+    options = cli.parse(["--workload", "pressure", "--repeats", "1"])
+    text = " ".join(notes([fake_row("step14", result)], cfg, workload, options, FLOOR).split())
     assert "worst-case reservation would run at most 2 at a time" in text
     assert "each request reserves 17 to 19 blocks (prompt + max_new_tokens) of the 48-block" in text
     assert "(EngineStats.seqs_per_round; step14: 243 over 37 rounds)" in text
     assert "dense cache" not in text, "there is no HF row to explain"
-    shared = report.notes([fake_row("step14", result)], preset(MODEL), Workload(), 1, 1.0)
+    shared = notes([fake_row("step14", result)], preset(MODEL), SharedPrefix(), options, FLOOR)
     assert "worst-case reservation would run all 16 at a time too (max_running)" in shared
 
 
@@ -279,18 +288,18 @@ def test_the_pressure_run_end_to_end(tmp_path: Path, capsys) -> None:
     the HF row skipped with its reason, the reference check, and results.json."""
     last = STEP_NAMES[-1]
     argv = ["--workload", "pressure", "--model", "tiny", "--repeats", "1"]
-    code = showcase.main([*argv, "--steps", f"{STEP_NAMES[0]},{last}", "--out", str(tmp_path)])
+    code = cli.main([*argv, "--steps", f"{STEP_NAMES[0]},{last}", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "24 requests: unrelated prompts of 4 to" in out and "max_running=8" in out
     assert "block_size=4, 48 blocks" in out
     assert "requests/round" in out and "preemptions" in out
     assert "worst-case reservation would run at most 2 at a time" in out
-    assert "Hugging Face row skipped: one batched generate cannot stop each request" in out
+    assert "CTranslate2 rows skipped: one batched generate cannot stop each request" in out
     assert "(warm prefix)" not in out and "(no cache)" not in out
     assert "same tokens as the dense reference model" in out
     data = json.loads((tmp_path / "results.json").read_text())
-    assert data["settings"]["workload"]["kind"] == PRESSURE
+    assert data["settings"]["workload"]["kind"] == pressure.NAME
     assert len(data["settings"]["workload"]["eos"]) == 24
     first, second = data["rows"]
     assert first["seqs_per_round"] >= 4 and first["rounds"] > 0

@@ -5,7 +5,8 @@ The figures themselves are timings, so nothing here asserts on them
 the sweep measures what it says: the cache really holds the blocks it claims, none of them reachable
 by a real prompt; every cell's tokens are checked against the dense reference and across steps, and
 a disagreement fails the run; the model's time is split off without patching anything; the flags are
-checked before any work; and a small run writes its table, its growth ratios and ``scale.json``."""
+checked before any work; a small run writes its table, its growth ratios and ``scale.json``; and the
+growth is the largest size over the smallest, with its verdict, "flat" only when it is."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import scale, showcase
+from bench import cli
+from bench.workloads import scale
 from common.config import preset
 from common.front.steps import load_step
 from tests.helpers import STEP_NAMES, bench_usage_error
@@ -24,22 +26,12 @@ from tests.helpers import STEP_NAMES, bench_usage_error
 SMALL_RUN = ["--workload", "scale", "--sweep-requests", "8,16", "--sweep-cached", "0,64"]
 
 
-@pytest.fixture
-def no_scale_work(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail the test if the scale bench gets as far as running."""
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError("work started before the flags were checked")
-
-    monkeypatch.setattr(showcase, "run_scale_bench", refuse)
-
-
-@pytest.mark.usefixtures("no_scale_work")
+@pytest.mark.usefixtures("no_work")
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--workload", "scale", "--prefix-len", "8"], "--prefix-len: --workload scale draws"),
-        (["--workload", "scale", "--requests", "8"], "--requests: --workload scale sizes"),
+        (["--workload", "scale", "--requests", "8"], "--requests: --workload scale draws"),
         (["--workload", "scale", "--total-blocks", "9"], "--total-blocks: --workload scale"),
         (["--sweep-requests", "8,16"], "--sweep-requests: only --workload scale reads it"),
         (["--workload", "pressure", "--sweep-cached", "0,8"], "--sweep-cached: only --workload"),
@@ -66,10 +58,11 @@ def test_bad_scale_flags_are_one_error_line(argv: list[str], message: str, capsy
 
 
 def test_scale_defaults_and_a_checkpoint_is_refused(tmp_path: Path, capsys) -> None:
-    args = showcase.parse_args(["--workload", "scale"])
+    args = cli.parse(["--workload", "scale"])
     workload = scale.ScaleWorkload()
     assert (args.sweep_requests, args.sweep_cached) == (workload.requests, workload.cached)
     assert (args.model, args.block_size, args.new_tokens, args.max_running) == ("toy", 4, 4, 64)
+    assert scale.workload_of(args) == workload
     (tmp_path / "config.json").write_text("{}")
     line = bench_usage_error(["--workload", "scale", "--model", str(tmp_path)], capsys)
     assert "--workload scale runs on a preset" in line
@@ -111,30 +104,50 @@ def test_model_clock_times_the_model_and_patches_nothing() -> None:
         assert set(vars(model)) == attributes
 
 
-def cell(step: str, outputs: list[list[int]], evictions: int = 0) -> scale.Cell:
-    c = scale.Cell(step, scale.REQUESTS, 2, 2, [1.0], [0.5])
-    c.outputs, c.stats = outputs, {"evictions": evictions}
-    return c
+def cell(step: str, outputs: list[list[int]], evictions: int = 0, size: int = 2, ms: float = 1.0):
+    point = scale.Point(scale.REQUESTS, size, 2)
+    return scale.ScaleCell(
+        step, point, [scale.ScaleRun(ms, ms / 2, {"evictions": evictions}, outputs)]
+    )
 
 
 def test_check_catches_tokens_and_stats_that_disagree() -> None:
     good = [[1, 2], [3, 4]]
-    assert scale.check([cell("a", good), cell("b", good)], [*good, [5, 6]]) == []
-    wrong = scale.check([cell("a", good), cell("b", [[1, 2], [3, 5]])], good)
+    assert scale.check_cells([cell("a", good), cell("b", good)], [*good, [5, 6]]) == []
+    wrong = scale.check_cells([cell("a", good), cell("b", [[1, 2], [3, 5]])], good)
     assert any("b, requests 2: tokens differ from the dense reference" in p for p in wrong)
     assert any("tokens differ from a's" in p for p in wrong)
-    stats = scale.check([cell("a", good), cell("b", good, evictions=1)], None)
+    stats = scale.check_cells([cell("a", good), cell("b", good, evictions=1)], None)
     assert len(stats) == 1 and "stats" in stats[0]
+
+
+def sweep(ms_by_size: dict[int, float]) -> dict[str, dict[int, scale.ScaleCell]]:
+    """One step's cells of one sweep, each a run of ``ms`` per request."""
+    cells = [cell("step14", [], size=size, ms=ms) for size, ms in ms_by_size.items()]
+    return scale.sweep_of(cells, scale.REQUESTS)
+
+
+def test_growth_is_the_largest_size_over_the_smallest_with_its_verdict() -> None:
+    """A cost that grows with the work reads above 1x and is not flat; one that does not
+    reads 1x, flat; one that falls (a fixed cost spread over more requests) reads below 1x."""
+    grows = sweep({512: 1.0, 4096: 3.0, 1024: 2.0})
+    assert scale.growth(grows["step14"]) == 3.0
+    assert "3.00x (step14): it grows with the size" in scale.verdict(grows)
+    flat = sweep({0: 2.0, 100_000: 2.0 * scale.FLAT})
+    assert f"{scale.FLAT:.2f}x (step14): flat (at most {scale.FLAT}x)" in scale.verdict(flat)
+    assert scale.growth(sweep({8: 2.0, 16: 1.0})["step14"]) == 0.5
+    text = scale.table(scale.REQUESTS, grows)
+    assert "| 4,096 vs 512 |" in text and "3.00x |" in text and "it grows with the size" in text
 
 
 def test_a_small_scale_run_prints_both_sweeps_and_saves_them(tmp_path: Path, capsys) -> None:
     steps = "step14,step14_7"
     argv = [*SMALL_RUN, "--steps", steps, "--repeats", "1", "--max-running", "2", "--quiet"]
     argv += ["--out", str(tmp_path)]
-    assert showcase.main(argv) == 0
+    assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "requests served: ms per request" in out and "blocks already cached" in out
-    assert "16 vs 8" in out and "64 vs 0" in out
+    assert "| 16 vs 8 |" in out and "| 64 vs 0 |" in out
     assert out.count("largest growth of any step") == 2
     assert "every cell's tokens equal the dense reference and each other" in out
     data = json.loads((tmp_path / "scale.json").read_text())

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import serving, showcase
+from bench import cli, latency
+from bench.models import load_step_model
+from bench.workloads import serving
 from common import memory
 from common.config import preset
 from tests.helpers import ROOT, STEP_NAMES, bench_usage_error
@@ -33,21 +35,24 @@ def test_arrivals_are_a_seeded_poisson_process() -> None:
     """The same seed gives the same times, another seed others; the first request comes at 0
     and the gaps between arrivals are exponential of mean 1 / rate (the mean and the standard
     deviation of an exponential are equal: evenly spaced or uniform gaps would fail)."""
-    times = serving.poisson_arrivals(20_000, 4.0, seed=0)
-    assert times == serving.poisson_arrivals(20_000, 4.0, seed=0)
-    assert times != serving.poisson_arrivals(20_000, 4.0, seed=1)
+    times = latency.poisson_arrivals(20_000, 4.0, seed=0)
+    assert times == latency.poisson_arrivals(20_000, 4.0, seed=0)
+    assert times != latency.poisson_arrivals(20_000, 4.0, seed=1)
     assert times[0] == 0.0 and times == sorted(times)
     gaps = [b - a for a, b in itertools.pairwise(times)]
     assert statistics.fmean(gaps) == pytest.approx(1 / 4.0, rel=0.03)
     assert statistics.stdev(gaps) == pytest.approx(1 / 4.0, rel=0.05)
-    assert serving.poisson_arrivals(3, math.inf, seed=0) == [0.0, 0.0, 0.0]
+    assert latency.poisson_arrivals(3, math.inf, seed=0) == [0.0, 0.0, 0.0]
 
 
 def test_the_workload_draws_its_arrivals_from_its_own_rate_and_seed() -> None:
     workload = serving.ServingWorkload(num_requests=5, request_rate=2.0, seed=3)
-    assert workload.arrival_times() == serving.poisson_arrivals(5, 2.0, 3)
+    assert workload.arrival_times() == latency.poisson_arrivals(5, 2.0, 3)
     assert "5 requests arriving at 2/s (Poisson, seed 3)" in workload.describe()
-    assert len(workload.prompts(512)) == 5
+    requests = workload.timed_requests(512)
+    assert [r.prompt for r in requests] == workload.prompts(512)
+    assert [r.arrival for r in requests] == workload.arrival_times()
+    assert {r.max_tokens for r in requests} == {workload.max_new_tokens}
 
 
 # ---- the figures -----------------------------------------------------------------------------
@@ -66,25 +71,25 @@ def test_the_workload_draws_its_arrivals_from_its_own_rate_and_seed() -> None:
     ],
 )
 def test_percentile_interpolates_as_numpy_does(values: list[float], p: float, expected) -> None:
-    assert serving.percentile(values, p) == pytest.approx(expected)
+    assert latency.percentile(values, p) == pytest.approx(expected)
 
 
 def test_ttft_and_tpot_of_hand_built_times() -> None:
     """TTFT: arrival to first token. TPOT: the time after the first token over the tokens
     after the first; none for a one-token answer, which is left out of the percentiles."""
-    slow = serving.RequestTimes(arrival=1.0)
+    slow = latency.RequestTimes(arrival=1.0)
     for now, tokens in [(1.5, 1), (1.7, 2), (2.1, 3)]:
         slow.record(now, tokens)
     assert (slow.ttft, slow.tpot) == (pytest.approx(0.5), pytest.approx(0.3))
-    one = serving.RequestTimes(arrival=0.0)
+    one = latency.RequestTimes(arrival=0.0)
     one.record(0.25, 1)
     assert (one.ttft, one.tpot) == (0.25, None)
-    run = serving.RunFigures([slow, one], busy_s=1.05)
+    run = latency.RunFigures([slow, one], busy_s=1.05)
     assert run.ttft(50) == pytest.approx(0.375) and run.ttft(99) == pytest.approx(0.4975)
     assert run.tpot(50) == pytest.approx(0.3) and run.tpot(99) == pytest.approx(0.3)
     assert run.duration_s == pytest.approx(2.1) and run.output_tokens == 4
     assert run.busy == pytest.approx(0.5)
-    assert serving.RunFigures([one], busy_s=0.25).tpot(50) is None
+    assert latency.RunFigures([one], busy_s=0.25).tpot(50) is None
 
 
 class FakeTimer:
@@ -109,9 +114,9 @@ def test_the_driver_times_each_request_from_its_arrival(step_name: str, cache: b
     the engine idle: the clock jumps to 100 (no latency, not busy), first token at 101."""
     a = [1, 2, 3, 4, 5, 6, 7, 8]
     prompts, arrivals = [a, [*a[:4], 9, 10, 11, 12], [13, 14, 15, 16]], [0.0, 2.5, 100.0]
-    runner = serving.ServingRunner(step_name, preset("tiny"), None)
-    cell = serving.Cell(step_name, cache, max_running=4)
-    run = runner.run(cell, prompts, arrivals, max_new_tokens=3, timer=FakeTimer())
+    model = load_step_model(step_name, preset("tiny"))
+    serve = serving.engine_serve(model, serving.Setting(step_name, cache, 4), FakeTimer())
+    run = serve([latency.TimedRequest(p, t, 3) for p, t in zip(prompts, arrivals)])
     a_times, b_times, c_times = run.requests
     assert (a_times.first_token, a_times.last_token, a_times.tokens) == (2.0, 4.0, 3)
     assert (a_times.ttft, a_times.tpot) == (2.0, 1.0)
@@ -125,22 +130,21 @@ def test_the_driver_times_each_request_from_its_arrival(step_name: str, cache: b
 # ---- the whole bench -------------------------------------------------------------------------
 
 
-def cell(name: str, outputs: list[list[int]], tokens: int = 2) -> serving.Cell:
-    times = serving.RequestTimes(0.0, 1.0, 2.0, tokens)
-    c = serving.Cell(name, True, 4)
-    c.runs.append(serving.RunFigures([times] * len(outputs), 1.0, outputs=outputs))
-    return c
+def cell(name: str, outputs: list[list[int]], tokens: int = 2) -> serving.ServingCell:
+    times = latency.RequestTimes(0.0, 1.0, 2.0, tokens)
+    run = latency.RunFigures([times] * len(outputs), 1.0, outputs=outputs)
+    return serving.ServingCell(name, serving.Setting(name, True, 4), [run])
 
 
 def test_check_catches_tokens_that_disagree_and_requests_cut_short() -> None:
     good = [[1, 2], [3, 4]]
-    assert serving.check([cell("a", good), cell("b", good)], 2, good) == []
-    wrong = serving.check([cell("a", good), cell("b", [[1, 2], [3, 5]])], 2, good)
+    assert serving.check_cells([cell("a", good), cell("b", good)], 2, good) == []
+    wrong = serving.check_cells([cell("a", good), cell("b", [[1, 2], [3, 5]])], 2, good)
     assert any(
         "b, prefix cache on, run 1: tokens differ from the dense reference" in p for p in wrong
     )
     assert any("tokens differ from a's first run" in p for p in wrong)
-    short = serving.check([cell("a", good, tokens=1)], 2, None)
+    short = serving.check_cells([cell("a", good, tokens=1)], 2, None)
     assert short == ["a, prefix cache on, run 1: a request was not timed with all its tokens"]
 
 
@@ -154,13 +158,13 @@ def test_a_small_serving_run_gives_every_request_all_its_tokens(tmp_path: Path, 
     dense reference's (the run's status is 0), and serving.json holds every figure."""
     argv = [*SMALL_RUN, "--steps", "step14,step14_7", "--repeats", "2", "--max-running", "4"]
     argv += ["--request-rate", "50", "--out", str(tmp_path)]
-    assert showcase.main(argv) == 0
+    assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "6 requests arriving at 50/s (Poisson, seed 0)" in out
     assert "TTFT p50 ms" in out and "TPOT p99 ms" in out and "step14_7 (one at a time)" in out
     assert "every request's tokens equal the dense reference and each other" in out
     data = json.loads((tmp_path / "serving.json").read_text())
-    assert data["arrivals"] == serving.poisson_arrivals(6, 50.0, 0)
+    assert data["arrivals"] == latency.poisson_arrivals(6, 50.0, 0)
     assert data["tokens_identical"] is True
     cells = [(c["name"], c["prefix_cache"], c["max_running"]) for c in data["cells"]]
     assert cells == [
@@ -175,7 +179,7 @@ def test_a_small_serving_run_gives_every_request_all_its_tokens(tmp_path: Path, 
         for run in c["runs"]:
             assert len(run["each_ttft_ms"]) == len(run["each_tpot_ms"]) == 6
             assert min(run["each_ttft_ms"]) > 0 and min(run["each_tpot_ms"]) > 0
-            p99 = serving.percentile(run["each_ttft_ms"], 99)
+            p99 = latency.percentile(run["each_ttft_ms"], 99)
             assert run["ttft_ms"]["p99"] == pytest.approx(p99, abs=1e-3)
             assert 0 < run["ttft_ms"]["p50"] <= run["ttft_ms"]["p99"]
             assert run["busy_s"] <= run["duration_s"]
@@ -191,21 +195,11 @@ def test_a_checkpoint_s_weights_serve_every_cell_and_the_reference(
     argv = ["--workload", "serving", "--model", str(toy_checkpoint), "--block-size", "4"]
     argv += ["--requests", "4", "--prefix-len", "4", "--tail-len", "2", "--new-tokens", "2"]
     argv += ["--steps", "step14_7", "--repeats", "1", "--quiet", "--out", str(tmp_path)]
-    assert showcase.main(argv) == 0
+    assert cli.main(argv) == 0
     assert "every request's tokens equal the dense reference" in capsys.readouterr().out
 
 
-@pytest.fixture
-def no_serving_work(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail the test if the serving bench gets as far as running."""
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError("work started before the flags were checked")
-
-    monkeypatch.setattr(showcase, "run_serving_bench", refuse)
-
-
-@pytest.mark.usefixtures("no_serving_work")
+@pytest.mark.usefixtures("no_work")
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -215,7 +209,7 @@ def no_serving_work(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--request-rate", "fast"], "'fast' is not a number of requests per second"),
         (["--prefix-len", "0", "--tail-len", "0"], "a prompt needs at least one token"),
         (["--sweep-cached", "0,8"], "--sweep-cached: only --workload scale reads it"),
-        (["--total-blocks", "2"], "--total-blocks 2 is too small"),
+        (["--total-blocks", "2"], "the pool has 2: raise total_blocks (--total-blocks)"),
     ],
     ids=["zero", "negative", "nan", "text", "empty-prompt", "sweep", "pool"],
 )
@@ -224,29 +218,24 @@ def test_bad_serving_flags_are_one_error_line(argv: list[str], message: str, cap
     assert message in line, line
 
 
-@pytest.mark.usefixtures("no_serving_work")
+@pytest.mark.usefixtures("no_work")
 def test_the_rate_is_refused_for_other_workloads_and_defaults_are_the_workload_s(capsys) -> None:
     for other in ("shared-prefix", "scale"):
         line = bench_usage_error(["--workload", other, "--request-rate", "4"], capsys)
         assert "--request-rate: only --workload serving reads it" in line
-    args = showcase.parse_args(["--workload", "serving"])
-    workload = showcase.workload_of(args)
-    assert workload == serving.ServingWorkload()
+    args = cli.parse(["--workload", "serving"])
+    assert serving.workload_of(args) == serving.ServingWorkload()
     assert (args.model, args.block_size, args.request_rate) == ("demo", 16, 16.0)
-    assert (
-        showcase.workload_of(
-            showcase.parse_args(["--workload", "serving", "--request-rate", "inf"])
-        ).request_rate
-        == math.inf
-    )
+    given = cli.parse(["--workload", "serving", "--request-rate", "inf"])
+    assert serving.workload_of(given).request_rate == math.inf
 
 
 def test_a_pool_the_machine_cannot_hold_is_refused_first(monkeypatch, capsys) -> None:
-    """The showcase's memory check runs before the serving bench builds anything."""
+    """The memory check runs before the serving bench builds anything."""
     monkeypatch.delenv(memory.SKIP_ENV, raising=False)
     monkeypatch.setattr(memory, "available_bytes", lambda device: 2**20)
-    monkeypatch.setattr(serving, "run_serving", lambda *a, **k: pytest.fail("work started"))
-    assert showcase.main(["--workload", "serving", "--quiet"]) == 1
+    monkeypatch.setattr(serving, "run_cells", lambda *a, **k: pytest.fail("work started"))
+    assert cli.main(["--workload", "serving", "--quiet"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("python -m bench: error: not enough memory")
 
@@ -275,7 +264,8 @@ def test_the_documented_figures_are_those_of_the_saved_run() -> None:
     the saved percentiles are those of the saved per-request figures."""
     settings = SAVED["settings"]
     assert SAVED["machine"]["threads"] == 1 and SAVED["tokens_identical"] is True
-    assert settings["workload"] == {**asdict(serving.ServingWorkload()), "request_rate": 16.0}
+    default = {**asdict(serving.ServingWorkload()), "kind": "serving", "request_rate": 16.0}
+    assert settings["workload"] == default
     assert (settings["model_name"], settings["repeats"]) == ("demo", 3)
     assert list(dict.fromkeys(c["step"] for c in SAVED["cells"])) == STEP_NAMES
     rows = documented_rows()
@@ -299,7 +289,7 @@ def test_the_documented_figures_are_those_of_the_saved_run() -> None:
             for what in ("ttft", "tpot"):
                 each = run[f"each_{what}_ms"]
                 for p in (50, 99):
-                    expected = serving.percentile(each, p)
+                    expected = latency.percentile(each, p)
                     assert run[f"{what}_ms"][f"p{p}"] == pytest.approx(expected, abs=1e-3)
     text = (ROOT / "docs" / "benchmarks.md").read_text()
     assert f"Measured on {SAVED['date'].split()[0]}" in text

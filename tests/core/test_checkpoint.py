@@ -47,7 +47,7 @@ pytest.importorskip("tokenizers")
 from safetensors.torch import load_file, save_file
 
 import common.checkpoint as checkpoint_module
-from bench import showcase
+from bench.cli import main as bench_main
 from common.checkpoint import config_from_hf, eos_token_ids, load_checkpoint
 from common.config import ModelConfig, preset
 from common.errors import CheckpointError
@@ -595,7 +595,7 @@ def test_bench_runs_on_a_checkpoint(checkpoint: dict[str, object], tmp_path: Pat
     folder = checkpoint["single"]
     argv = "--requests 3 --prefix-len 8 --tail-len 3 --new-tokens 3 --repeats 1 --block-size 4"
     steps = f"{STEP_NAMES[0]},{STEP_NAMES[-1]}"
-    code = showcase.main(
+    code = bench_main(
         [*argv.split(), "--model", str(folder), "--steps", steps, "--out", str(tmp_path)]
     )
     out = capsys.readouterr().out

@@ -19,7 +19,8 @@ from types import ModuleType
 import pytest
 import torch
 
-from bench import showcase
+from bench import cli as bench_cli
+from bench.workloads.shared_prefix import SharedPrefix
 from common import memory
 from common.errors import ContextLengthError, RequestError, ResourceError
 from common.front import demo
@@ -86,8 +87,8 @@ def test_the_bench_refuses_before_it_draws_a_prompt(small_machine, monkeypatch, 
     def never(*args: object, **kwargs: object) -> None:
         raise AssertionError("the prompts were drawn before the memory check")
 
-    monkeypatch.setattr(showcase.Workload, "prompts", never)
-    assert showcase.main(["--no-hf", "--quiet"]) == 1
+    monkeypatch.setattr(SharedPrefix, "prompts", never)
+    assert bench_cli.main(["--no-hf", "--quiet"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("python -m bench: error: not enough memory")
     assert "the prompts" in err[0] and "the KV pool" in err[0]
@@ -257,7 +258,7 @@ def test_trace_round_with_a_checkpoint_is_refused(toy_checkpoint: Path, capsys) 
 
 
 def test_bench_dtype_auto_needs_a_checkpoint(capsys) -> None:
-    line = usage_error(showcase.main, ["--dtype", "auto"], capsys)
+    line = usage_error(bench_cli.main, ["--dtype", "auto"], capsys)
     assert "--dtype auto needs --model DIR" in line
 
 

@@ -19,7 +19,7 @@ from types import ModuleType
 
 import torch
 
-from bench.scale import FILLER_CHAIN, FILLER_TOKEN, fill_cache
+from bench.workloads.scale import FILLER_CHAIN, FILLER_TOKEN, fill_cache
 from tests.helpers import tiny_config
 
 SMALL, LARGE = 1_000, 50_000  # cached blocks
@@ -51,7 +51,7 @@ def filled_manager(step: ModuleType, cached: int):
     the cache in least recently used order for a block to evict would pass the whole held half
     first."""
     manager = step.KVCacheManager(cached, BS, enable_prefix_cache=True)
-    fill_cache(step, manager, cached // 2, hold=True)  # bench/scale.py: as requests do
+    fill_cache(step, manager, cached // 2, hold=True)  # bench/workloads/scale.py: as requests do
     fill_cache(step, manager, cached - cached // 2)
     assert (len(manager.prefix_cache), manager.block_manager.num_free) == (cached, 0)
     assert manager.num_available_blocks == cached - cached // 2

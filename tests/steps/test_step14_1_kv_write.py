@@ -8,7 +8,7 @@ it is chunked, the K/V of position ``p`` lands in slot ``p % bs`` of block ``blo
 bs]``, in every layer, and no other slot of the pool changes; the write has no Python loop from
 step14_1 on, and has one before it.
 
-    python -m pytest bench/test_ops.py -k write_kv   # what the fix buys
+    python -m pytest bench/suites/test_ops.py -k write_kv   # what the fix buys
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ slots, in position order, wherever the blocks lie (a slot outside them may hold 
 NaN, and the logits are still the reference's); the gather has no Python loop from step14_2 on,
 and has one before it.
 
-    python -m pytest bench/test_ops.py -k gather_kv   # what the fix buys
+    python -m pytest bench/suites/test_ops.py -k gather_kv   # what the fix buys
 """
 
 from __future__ import annotations

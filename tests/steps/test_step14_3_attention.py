@@ -8,7 +8,7 @@ per-head computation written out below (multi-head, grouped-query and multi-quer
 chunk or one decode token); the attention has no Python loop from step14_3 on, and has one
 before it.
 
-    python -m pytest bench/test_ops.py -k attention   # what the fix buys
+    python -m pytest bench/suites/test_ops.py -k attention   # what the fix buys
 """
 
 from __future__ import annotations

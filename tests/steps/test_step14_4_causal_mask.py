@@ -8,7 +8,7 @@ positions (a column) against key positions (a row) builds it, and a decode step 
 of the chunk; a decode token gets no mask from step14_4 on (an all-visible row before it); the
 mask has no Python loop from step14_4 on, and has one before it.
 
-    python -m pytest bench/test_ops.py -k causal_mask   # what the fix buys
+    python -m pytest bench/suites/test_ops.py -k causal_mask   # what the fix buys
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""pytest settings for the benchmark suites (``python -m pytest bench/...``).
+"""pytest settings for the benchmark suites (``python -m pytest bench/suites/...``).
 
 Runs saved with ``--benchmark-autosave`` or ``--benchmark-save=NAME`` go to ``bench/results/``,
 next to what ``python -m bench`` writes, instead of pytest-benchmark's ``.benchmarks/`` in the
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results" / "benchmarks"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "benchmarks"
 PLUGIN_DEFAULT_STORAGE = "file://./.benchmarks"
 
 

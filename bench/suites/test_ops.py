@@ -1,9 +1,9 @@
 """Micro-benchmarks of the four model.py fixes: each operation in the step before the fix
 against the step that fixes it, calling each step's own code.
 
-    python -m pytest bench/test_ops.py              # all: before/after side by side, per size
-    python -m pytest bench/test_ops.py -k write_kv  # one operation
-    python -m pytest bench/test_ops.py --benchmark-group-by=param:op   # every size of an op
+    python -m pytest bench/suites/test_ops.py              # all: before/after, per size
+    python -m pytest bench/suites/test_ops.py -k write_kv  # one operation
+    python -m pytest bench/suites/test_ops.py --benchmark-group-by=param:op   # every size of an op
 
 Sizes: T = 1 (a decode token), 16 (a prefill chunk of one block), 256 (a long chunk) new tokens,
 over a context of 512 or 4096 tokens, with a shuffled (non-contiguous) block table.

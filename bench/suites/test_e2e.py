@@ -1,6 +1,7 @@
 """End to end: the same shared-prefix workload through every step's engine.
 
-    python -m pytest bench/test_e2e.py --benchmark-columns=median,rounds --benchmark-sort=name
+    python -m pytest bench/suites/test_e2e.py --benchmark-columns=median,rounds \
+        --benchmark-sort=name
 
 Each round serves all requests through a fresh engine, with continuous batching: a cold cache
 (group "end to end"), or one that an earlier request behind the same prefix has warmed, as on a
@@ -15,13 +16,18 @@ from functools import cache
 
 import pytest
 
-from bench.harness import StepRunner, Workload, bench_config, pressure_workload, with_eos
+from bench.batch import BatchRunner
+from bench.models import bench_config, load_step_model
+from bench.workloads.pressure import Pressure
+from bench.workloads.shared_prefix import SharedPrefix
 from common.config import preset
 from common.front.steps import STEPS, available_steps, load_step
 from common.front.workload import PRESSURE_EOS_AT, shared_prefix_prompts
 from common.reference import ReferenceModel, reference_generate
 
-WORKLOAD = Workload(num_requests=8, prefix_len=128, tail_len=16, max_new_tokens=16, max_running=8)
+WORKLOAD = SharedPrefix(
+    num_requests=8, prefix_len=128, tail_len=16, max_new_tokens=16, max_running=8
+)
 CFG = bench_config(WORKLOAD)
 
 
@@ -35,7 +41,7 @@ def expected_tokens() -> list[list[int]]:
 def test_end_to_end(benchmark, step_name: str) -> None:
     if step_name not in available_steps():
         pytest.skip(f"{step_name} does not exist yet")
-    runner = StepRunner(step_name, CFG)
+    runner = BatchRunner(load_step_model(step_name, CFG))
     prompts = WORKLOAD.prompts(CFG.vocab_size)
     benchmark.group = "end to end"
     result = benchmark.pedantic(runner.run, args=(prompts, WORKLOAD), rounds=3, iterations=1)
@@ -49,7 +55,7 @@ def test_end_to_end_warm_prefix(benchmark, step_name: str) -> None:
     round gets a fresh engine and its own warm-up (``setup``, untimed), then the timed serve."""
     if step_name not in available_steps():
         pytest.skip(f"{step_name} does not exist yet")
-    runner = StepRunner(step_name, CFG)
+    runner = BatchRunner(load_step_model(step_name, CFG))
     prompts = WORKLOAD.prompts(CFG.vocab_size)
     earlier = WORKLOAD.earlier_prompt(CFG.vocab_size)
 
@@ -91,17 +97,17 @@ def reference_model_for(cfg) -> ReferenceModel:
     return ReferenceModel(cfg)
 
 
-PRESSURE = pressure_workload()  # 24 short prompts, max_new_tokens=64, 48 blocks, 8 at a time
+PRESSURE = Pressure()  # 24 short prompts, max_new_tokens=64, 48 blocks, 8 at a time
 PRESSURE_CFG = bench_config(PRESSURE, "demo", block_size=4)  # python -m bench's model
 
 
 @cache
-def pressure_requests() -> tuple[Workload, list[list[int]], list[list[int]]]:
+def pressure_requests() -> tuple[Pressure, list[list[int]], list[list[int]]]:
     """The workload with one eos per request (a token of the reference's own answer, as the
     bench picks it), its prompts, and the reference's tokens, each stopped at its eos."""
     model = reference_model_for(PRESSURE_CFG)
     prompts = PRESSURE.prompts(PRESSURE_CFG.vocab_size)
-    workload = with_eos(PRESSURE, reference_generate(model, prompts, PRESSURE_EOS_AT[1] + 1))
+    workload = PRESSURE.with_eos(reference_generate(model, prompts, PRESSURE_EOS_AT[1] + 1))
     new = workload.max_new_tokens
     expected = [reference_generate(model, [p], new, e)[0] for p, e in zip(prompts, workload.eos)]
     return workload, prompts, expected
@@ -114,7 +120,7 @@ def test_memory_pressure(benchmark, step_name: str) -> None:
     if step_name not in available_steps():
         pytest.skip(f"{step_name} does not exist yet")
     workload, prompts, expected = pressure_requests()
-    runner = StepRunner(step_name, PRESSURE_CFG)
+    runner = BatchRunner(load_step_model(step_name, PRESSURE_CFG))
     benchmark.group = "memory pressure"
     result = benchmark.pedantic(runner.run, args=(prompts, workload), rounds=3, iterations=1)
     benchmark.extra_info["seqs_per_round"] = result.seqs_per_round

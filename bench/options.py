@@ -1,0 +1,43 @@
+"""``BenchOptions``: ``python -m bench``'s flags, read once into their types (``bench/cli.py``).
+
+A workload reads the fields it has a default for (``DEFAULTS`` in its module); the others are
+None, and the command line refuses them, so that no flag is silently ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    workload: str
+    model: str  # a preset name or a checkpoint directory
+    steps: tuple[str, ...]  # the first is the baseline of every comparison
+    repeats: int
+    out: str
+    # the requests, each workload's own (None: a workload that does not read it)
+    requests: int | None = None
+    prefix_len: int | None = None
+    tail_len: int | None = None
+    new_tokens: int | None = None
+    max_running: int | None = None  # 0: every request at once
+    sweep_requests: tuple[int, ...] | None = None
+    sweep_cached: tuple[int, ...] | None = None
+    request_rate: float | None = None
+    # the engine (cli.add_engine_flags)
+    block_size: int = 16
+    total_blocks: int | None = None  # None: the workload sizes the pool
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int = 1  # torch's (and every peer's) CPU threads; 0: one per core
+    no_memory_check: bool = False
+    # what else runs, and how it is shown
+    no_hf: bool = False
+    no_ctranslate2: bool = False
+    no_reference: bool = False
+    quiet: bool = False
+
+    def running(self, requests: int) -> int:
+        """``--max-running``, with 0 meaning all ``requests`` at once."""
+        return self.max_running or requests
