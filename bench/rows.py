@@ -103,7 +103,8 @@ def notes(rows: list[Row], cfg: ModelConfig, workload, options: BenchOptions, fl
         "decode tokens that went through the model.",
         f"peak KV MiB: engine rows hold blocks_peak x {kv_bytes_per_block(cfg) / 1024:g} KiB "
         f"(2 x {cfg.num_layers} layers x {cfg.block_size} tokens x {cfg.num_kv_heads} KV heads "
-        f"x {cfg.d_head} x {cfg.dtype.itemsize} bytes)" + (dense if workload.eos is None else "."),
+        f"x {cfg.d_head} x {cfg.dtype.itemsize} bytes)"
+        + (dense if any(not row.best.rounds for row in rows) else "."),
         "GFLOP: model FLOPs of the computed tokens (bench/costs.py); GFLOP/s = GFLOP / min s, "
         f"against this machine's {floor.machine_gflops:.1f} on a plain matmul: far below it, a "
         "row is bound by overhead, not arithmetic.",

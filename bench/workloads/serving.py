@@ -50,16 +50,9 @@ from .shared_prefix import SharedPrefix
 
 NAME = "serving"
 SUMMARY = "requests arriving over time, time to first token and per output token (latency)"
-DEFAULTS = dict(
-    requests=32,
-    prefix_len=64,
-    tail_len=16,
-    new_tokens=16,
-    max_running=16,
-    block_size=16,
-    total_blocks=None,
-    request_rate=16.0,
-    model="demo",
+# the shared-prefix requests, fewer and shorter, arriving at a rate
+DEFAULTS = shared_prefix.DEFAULTS | dict(
+    requests=32, prefix_len=64, tail_len=16, new_tokens=16, max_running=16, request_rate=16.0
 )
 NOT_READ = "serves its own requests"  # never said: it reads every flag but a sweep's
 HELP = __doc__.split("\n\n")[0]
