@@ -28,11 +28,16 @@ def test_adjacent_steps_differ_only_in_the_named_files(before: str, after: str) 
     assert changed == set(FIXES[after][0])
 
 
+# A step's entry points: front ends of a few lines each, the same in every step.
+ENTRY_POINTS = ("run.py", "serve.py")
+
+
 @pytest.mark.parametrize("step_name", STEP_NAMES)
-def test_step_has_its_own_readme_and_the_shared_run_py(step_name: str) -> None:
+def test_step_has_its_own_readme_and_the_shared_entry_points(step_name: str) -> None:
     files = step_files(step_name)
     assert b"diff -ru" in files["README.md"] or step_name == "step14"
-    assert files["run.py"] == step_files("step14")["run.py"]
+    for name in ENTRY_POINTS:
+        assert files[name] == step_files("step14")[name], name
 
 
 @pytest.mark.parametrize("step_name", STEP_NAMES)
@@ -73,10 +78,11 @@ def test_the_core_imports_no_front_end_and_no_step(path: Path) -> None:
 
 @pytest.mark.parametrize("step_name", STEP_NAMES)
 def test_a_steps_engine_imports_only_its_own_files_and_the_core(step_name: str) -> None:
-    """Every file of a step but ``run.py`` (the demo's entry point, a front end) imports the core
-    of ``common/`` and its own step's files (relatively), never a front end or another step."""
+    """Every file of a step but its entry points (``run.py``, ``serve.py``: front ends) imports
+    the core of ``common/`` and its own step's files (relatively), never a front end or another
+    step."""
     for path in sorted((ROOT / step_name).glob("*.py")):
-        if path.name == "run.py":
+        if path.name in ENTRY_POINTS:
             continue
         outside = {
             name

@@ -1,0 +1,130 @@
+"""The server assembled: the checkpoint's text side, the engine behind an ``AsyncLLM``, the
+app, and uvicorn with a stop that aborts what is in flight first.
+
+Imported once the packages are known to be there (``cli.require_packages``).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from ...checkpoint import (
+    GENERATION_CONFIG_FILE,
+    check_stored_shapes,
+    checkpoint_config,
+    checkpoint_dir,
+    eos_token_ids,
+    read_json,
+)
+from ...errors import CheckpointError, RequestError, UserError
+from ...inputs import blocks_for_request
+from ...sampling import SamplingParams
+from ..chat import load_chat_template
+from ..stream import text_decoder
+from ..text import load_tokenizer
+from .api_server import build_app
+from .async_llm import AsyncLLM
+from .cli import ServeOptions
+from .metrics import Metrics
+from .serving import OpenAIServing, ServedModel
+
+# generation_config.json's fields that vLLM takes as a request's defaults (the ones this
+# engine has); HF's own default temperature, 1.0, when the file has none.
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k")
+STOP_GRACE_S = 5  # the longest a stop waits for the answers in flight to end
+
+
+def load_served_model(options: ServeOptions) -> ServedModel:
+    """Everything about the checkpoint but its weights, checked: the config with the flags,
+    the tokenizer, the chat template, the eos ids, the sampling defaults, the weight shapes."""
+    folder = checkpoint_dir(options.model)
+    cfg = checkpoint_config(folder, **options.overrides())
+    check_pool_holds_context(cfg)
+    tokenizer = load_tokenizer(folder)
+    check_stored_shapes(folder, cfg)
+    return ServedModel(
+        name=options.served_model_name or options.model,
+        tokenizer=tokenizer,
+        template=load_chat_template(folder),
+        eos_token_ids=tuple(eos_token_ids(folder)),
+        max_model_len=cfg.max_model_len,
+        sampling_defaults=sampling_defaults(folder),
+        decode=text_decoder(tokenizer),
+    )
+
+
+def sampling_defaults(folder: Any) -> dict[str, Any]:
+    """What a request leaves out: ``generation_config.json``'s temperature, top_p and top_k
+    when it has them (vLLM's ``--generation-config auto``), else a temperature of 1.0."""
+    path = folder / GENERATION_CONFIG_FILE
+    config = read_json(path) if path.is_file() else {}
+    defaults = {"temperature": 1.0}
+    defaults.update({k: config[k] for k in SAMPLING_DEFAULTS if config.get(k) is not None})
+    try:
+        SamplingParams(**defaults)
+    except RequestError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+    return defaults
+
+
+def check_pool_holds_context(cfg: Any) -> None:
+    """vLLM's rule: the KV pool must hold one request as long as the context, or a request
+    the model accepts could never run."""
+    if cfg.max_model_len is None:
+        return
+    need = blocks_for_request(cfg.max_model_len - 1, 1, cfg.block_size)
+    if need > cfg.total_blocks:
+        raise UserError(
+            f"the KV pool ({cfg.total_blocks} blocks of {cfg.block_size} tokens) cannot hold "
+            f"one request of the model's context length ({cfg.max_model_len} tokens, "
+            f"{need} blocks): raise --total-blocks to {need}, or lower --max-model-len"
+        )
+
+
+class EngineServer(uvicorn.Server):
+    """uvicorn's server, whose stop aborts every request in flight before it waits for the
+    connections to close (a stream would otherwise run to its last token), and ends with one
+    line: the signal, and whether every block came back to the pool."""
+
+    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, app: Any, prog: str) -> None:
+        super().__init__(config)
+        self.llm = llm
+        self.app = app
+        self.prog = prog
+        self.stopped_by: str | None = None
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        for listener in sockets or []:
+            host, port = listener.getsockname()[:2]
+            print(
+                f"{self.prog}: serving on http://{host}:{port} (the OpenAI API under /v1); "
+                "Ctrl-C stops it",
+                flush=True,
+            )
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.stopped_by = self.stopped_by or signal.Signals(sig).name
+        self.llm.abort_all()
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        await super().shutdown(sockets)
+        problems = self.app.state.pool_problems
+        pool = "every block is back in the pool" if problems == [] else f"pool: {problems}"
+        print(f"{self.prog}: stopped by {self.stopped_by or 'request'}; {pool}", file=sys.stderr)
+
+
+def build_server(engine: Any, served: ServedModel, options: ServeOptions, prog: str) -> Any:
+    metrics = Metrics(served.name, engine.model.cfg.total_blocks)
+    llm = AsyncLLM(engine, on_round=metrics.record)
+    app = build_app(llm, OpenAIServing(llm, served), metrics, options.api_key)
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, timeout_graceful_shutdown=STOP_GRACE_S
+    )
+    return EngineServer(config, llm, app, prog)
