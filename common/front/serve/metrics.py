@@ -45,6 +45,10 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
+TTFT = "vllm:time_to_first_token_seconds"
+TPOT = "vllm:time_per_output_token_seconds"
+E2E = "vllm:e2e_request_latency_seconds"
+
 
 class Metrics:
     """The server's Prometheus metrics, labelled with the served model's name."""
@@ -56,6 +60,7 @@ class Metrics:
         self.total_blocks = total_blocks
         self._last = EngineStats()  # the stats of the last round: counters grow by the gain
         labels = {"model_name": model_name}
+        self.labels = list(labels.values())
 
         def make(kind: type, name: str, doc: str, **extra: Any) -> Any:
             metric = kind(name, doc, list(labels), registry=self.registry, **extra)
@@ -75,18 +80,17 @@ class Metrics:
         self.preemptions = make(Counter, "vllm:num_preemptions", "Requests preempted.")
         self.prompt_tokens = make(Counter, "vllm:prompt_tokens", "Prompt tokens of the requests.")
         self.generation_tokens = make(Counter, "vllm:generation_tokens", "Tokens generated.")
-        self.ttft = make(
-            Histogram, "vllm:time_to_first_token_seconds", "Time to first token.",
-            buckets=TTFT_BUCKETS,
-        )  # fmt: skip
+        self.finished = Counter(
+            "vllm:request_success",
+            "Requests finished, by why: stop (eos or a stop id), length (max_tokens), abort.",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+        self.ttft = make(Histogram, TTFT, "Time to first token.", buckets=TTFT_BUCKETS)
         self.tpot = make(
-            Histogram, "vllm:time_per_output_token_seconds", "Time per output token after the "
-            "first.", buckets=TPOT_BUCKETS,
-        )  # fmt: skip
-        self.e2e = make(
-            Histogram, "vllm:e2e_request_latency_seconds", "End-to-end request latency.",
-            buckets=E2E_BUCKETS,
-        )  # fmt: skip
+            Histogram, TPOT, "Time per output token after the first.", buckets=TPOT_BUCKETS
+        )
+        self.e2e = make(Histogram, E2E, "End-to-end request latency.", buckets=E2E_BUCKETS)
 
     def record(self, stats: EngineStats, delivered: Delivered, now: float) -> None:
         """One round: the gauges as they are now, the counters by what the round added, and
@@ -107,8 +111,10 @@ class Metrics:
                 self.ttft.observe(now - times.arrival)
             elif output.new_token_ids and times.previous_token is not None:
                 self.tpot.observe((now - times.previous_token) / len(output.new_token_ids))
-            if output.finished and output.finish_reason != "abort":
-                self.e2e.observe(now - times.arrival)
+            if output.finished:
+                self.finished.labels(*self.labels, output.finish_reason).inc()
+                if output.finish_reason != "abort":
+                    self.e2e.observe(now - times.arrival)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

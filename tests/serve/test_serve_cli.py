@@ -1,0 +1,117 @@
+"""``python -m <step>.serve``: its command line, its start and its stop.
+
+- a flag it cannot use is one ``error:`` line and exit 2, before anything loads; a port in
+  use, a pool too small for the context or a missing package is one line and exit 1, before
+  the weights load;
+- by default it listens on 127.0.0.1 and names the model by its ``--model`` argument;
+- Ctrl-C (SIGINT) or SIGTERM stops it with one line, even with an answer streaming: the answer
+  ends (``finish_reason`` "abort", then ``[DONE]``), every block is back in the pool, and the
+  process ends by the signal, as a program the signal stopped does.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+from pathlib import Path
+
+import httpx
+import pytest
+
+from common.front.serve import cli as serve_cli
+from tests.helpers import STEP_NAMES, usage_error
+from tests.serve.server_process import ENGINE_FLAGS, ServerProcess, sse_events
+
+LAST = STEP_NAMES[-1]
+
+
+@pytest.fixture
+def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if the server gets as far as reading the checkpoint."""
+    from common.front.serve import launch
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the checkpoint was read before the checks")
+
+    monkeypatch.setattr(launch, "load_served_model", refuse)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        ([], "--model"),
+        (["--model", "/no/such/folder"], "not a checkpoint directory"),
+        (["--model", "{ckpt}", "--port", "70000"], "--port"),
+        (["--model", "{ckpt}", "--total-blocks", "0"], "--total-blocks"),
+        (["--model", "{ckpt}", "--dtype", "float8"], "not a dtype"),
+    ],
+)
+def test_a_flag_it_cannot_use_is_one_line(
+    argv: list[str], says: str, chat_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [arg.replace("{ckpt}", str(chat_checkpoint)) for arg in argv]
+    line = usage_error(lambda a: serve_cli.main(LAST, a), argv, capsys)
+    assert line.startswith(f"python -m {LAST}.serve: error:") and says in line
+
+
+def one_line_failure(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """``main(argv)`` must return 1 with one ``error:`` line and nothing else."""
+    assert serve_cli.main(LAST, argv) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.splitlines()) == 1, captured
+    return captured.err
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(
+    chat_checkpoint: Path, no_model_load: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        line = one_line_failure(["--model", str(chat_checkpoint), "--port", port], capsys)
+    assert f"cannot listen on 127.0.0.1:{port}" in line
+
+
+def test_a_pool_too_small_for_the_context_is_refused(
+    chat_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM's rule: a request as long as the context must fit in the pool (2048 tokens need
+    512 blocks of 4)."""
+    argv = ["--model", str(chat_checkpoint), "--port", "0", "--block-size", "4"]
+    line = one_line_failure([*argv, "--total-blocks", "100"], capsys)
+    assert "--total-blocks to 512" in line and "--max-model-len" in line
+
+
+def test_a_missing_package_is_one_line(
+    chat_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(serve_cli, "PACKAGES", ("no_such_package_here",))
+    line = one_line_failure(["--model", str(chat_checkpoint), "--port", "0"], capsys)
+    assert "no_such_package_here" in line and "pip install -e '.[serve]'" in line
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("step_name", STEP_NAMES)
+def test_a_signal_stops_it_with_one_line(
+    step_name: str, sig: signal.Signals, chat_checkpoint: Path
+) -> None:
+    server = ServerProcess(step_name, chat_checkpoint, *ENGINE_FLAGS)
+    try:
+        assert server.url.startswith("http://127.0.0.1:")
+        names = [card["id"] for card in httpx.get(server.url + "/v1/models").json()["data"]]
+        assert names == [str(chat_checkpoint)]
+        body = {"prompt": "The cat", "max_tokens": 1500, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body) as answer:
+            events = sse_events(answer.iter_lines())
+            next(events)
+            server.process.send_signal(sig)
+            rest = list(events)  # the stream ends, and [DONE] closes it
+        status, err = server.wait()
+    finally:
+        server.kill()
+    assert rest[-1]["choices"][0]["finish_reason"] == "abort"
+    assert status == -sig
+    assert err.splitlines() == [
+        f"python -m {step_name}.serve: stopped by {sig.name}; every block is back in the pool"
+    ]
