@@ -21,17 +21,7 @@ from typing import Any
 import torch
 
 from ...errors import MissingPackageError, UserError, end_as_interrupted, report_user_errors
-from ..cli import (
-    HelpFormatter,
-    add_dtype_flag,
-    add_memory_check_flag,
-    device_name,
-    dtype_value,
-    int_range,
-    non_negative_int,
-    positive_int,
-    seed_int,
-)
+from ..cli import EngineOptions, HelpFormatter, add_engine_flags, dtype_value, int_range
 from ..steps import load_step
 from ..text import model_dir_arg
 
@@ -50,30 +40,25 @@ PACKAGES = ("fastapi", "uvicorn", "prometheus_client")
 
 @dataclass(frozen=True)
 class ServeOptions:
-    """The command line, checked."""
+    """The command line, checked: the checkpoint, where to listen, the API's names, and the
+    engine flags every command shares."""
 
     model: str
     host: str
     port: int
     api_key: str | None
     served_model_name: str | None
-    device: str
-    dtype: str
-    block_size: int
-    total_blocks: int
-    max_running: int
-    max_model_len: int | None
-    threads: int
-    seed: int
+    engine: EngineOptions
 
     def overrides(self) -> dict[str, Any]:
-        """``from_pretrained``'s keyword arguments."""
+        """``from_pretrained``'s keyword arguments: the pool's shape, where the model runs."""
+        e = self.engine
         given = {
-            "device": self.device,
-            "dtype": dtype_value(self.dtype),
-            "block_size": self.block_size,
-            "total_blocks": self.total_blocks,
-            "max_model_len": self.max_model_len,
+            "device": e.device,
+            "dtype": dtype_value(e.dtype),
+            "block_size": e.block_size,
+            "total_blocks": e.total_blocks,
+            "max_model_len": e.max_model_len,
         }
         return {name: value for name, value in given.items() if value is not None}
 
@@ -104,52 +89,18 @@ def parse_args(step_name: str, argv: list[str] | None) -> ServeOptions:
     p.add_argument(
         "--served-model-name",
         metavar="NAME",
-        help="the model's name in the API (default: the --model argument)",
+        help="the model's name in the API (None: the --model argument)",
     )
     add_engine_flags(p)
     args = p.parse_args(argv)
-    return ServeOptions(**{name: getattr(args, name) for name in ServeOptions.__annotations__})
-
-
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """The engine's flags, as ``run.py --model`` takes them."""
-    p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or cuda:N")
-    add_dtype_flag(p)
-    p.add_argument(
-        "--block-size", type=positive_int, default=16, metavar="N", help="tokens per KV block"
+    return ServeOptions(
+        args.model,
+        args.host,
+        args.port,
+        args.api_key,
+        args.served_model_name,
+        EngineOptions.from_args(args),
     )
-    p.add_argument(
-        "--total-blocks", type=positive_int, default=512, metavar="N", help="KV blocks in the pool"
-    )
-    p.add_argument(
-        "--max-running",
-        type=positive_int,
-        default=16,
-        metavar="N",
-        help="requests batched at once (more wait in the queue)",
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=positive_int,
-        metavar="N",
-        help="the longest request, prompt + max_tokens (default: the checkpoint's "
-        "max_position_embeddings)",
-    )
-    p.add_argument(
-        "--threads",
-        type=non_negative_int,
-        default=1,
-        metavar="N",
-        help="torch CPU threads (0: torch's default, one per core)",
-    )
-    p.add_argument(
-        "--seed",
-        type=seed_int,
-        default=0,
-        metavar="N",
-        help="seeds the requests that bring no seed of their own",
-    )
-    add_memory_check_flag(p)
 
 
 def main(step_name: str, argv: list[str] | None = None) -> int:
@@ -166,11 +117,14 @@ def serve(step: ModuleType, options: ServeOptions, prog: str) -> int:
     require_packages()
     listener = bind(options.host, options.port)
     served = load_served_model(options)
-    if options.threads:
-        torch.set_num_threads(options.threads)
+    engine_options = options.engine
+    if engine_options.threads:
+        torch.set_num_threads(engine_options.threads)
     start = time.perf_counter()
     model = step.TinyTransformerPaged.from_pretrained(options.model, **options.overrides())
-    engine = step.PagedPrefixCacheEngine(model, max_running=options.max_running, seed=options.seed)
+    engine = step.PagedPrefixCacheEngine(
+        model, max_running=engine_options.max_running, seed=engine_options.seed
+    )
     print(f"{prog}: {served.name!r} loaded in {time.perf_counter() - start:.1f} s", flush=True)
     try:
         build_server(engine, served, options, prog).run(sockets=[listener])
