@@ -25,10 +25,8 @@ from typing import Any
 import httpx
 import openai
 
-from common.front.chat import load_chat_template
 from common.front.steps import load_step
-from common.front.stream import text_decoder
-from common.front.text import encode_chat, generate_text, load_tokenizer
+from common.front.text import TextCodec, generate_text
 from common.sampling import SamplingParams
 from tests.serve.server_process import (
     API_KEY,
@@ -60,24 +58,19 @@ def chat(*turns: str) -> list[dict[str, str]]:
 
 
 @cache
-def offline(step_name: str, checkpoint: Path) -> tuple[Any, Any, Any, Any]:
+def offline(step_name: str, checkpoint: Path) -> tuple[Any, TextCodec]:
     """The step's engine on the server's weights, and the checkpoint's text side."""
     step = load_step(step_name)
     model = step.TinyTransformerPaged.from_pretrained(checkpoint, **ENGINE_OVERRIDES)
-    tokenizer = load_tokenizer(checkpoint)
-    template = load_chat_template(checkpoint)
-    return step.PagedPrefixCacheEngine(model), tokenizer, template, text_decoder(tokenizer)
+    return step.PagedPrefixCacheEngine(model), TextCodec.load(checkpoint)
 
 
 def offline_text(server: ServerProcess, checkpoint: Path, prompt: Any, **params: Any) -> str:
     """What the step's engine answers, offline, to a prompt (a string or a conversation)."""
-    engine, tokenizer, template, decode = offline(server.step_name, checkpoint)
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt).ids
-    else:
-        ids = encode_chat(tokenizer, template, [prompt])[0]
+    engine, codec = offline(server.step_name, checkpoint)
+    ids = codec.completion_ids(prompt) if isinstance(prompt, str) else codec.chat_ids(prompt)
     output = engine.generate([ids], sampling_params=SamplingParams(**params))[0]
-    return decode(output)
+    return codec.decode(output)
 
 
 def metrics(server: ServerProcess) -> str:
@@ -193,9 +186,9 @@ def test_sixteen_requests_at_once_each_get_what_they_get_alone(server: ServerPro
 def test_a_prompt_of_token_ids_is_the_same_as_its_text(
     server: ServerProcess, chat_checkpoint: Path
 ) -> None:
-    _, tokenizer, _, _ = offline(server.step_name, chat_checkpoint)
+    _, codec = offline(server.step_name, chat_checkpoint)
     api = client(server)
-    ids = tokenizer.encode(PROMPT).ids
+    ids = codec.completion_ids(PROMPT)
     by_text = api.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=8, seed=3)
     by_ids = api.completions.create(model=SERVED_NAME, prompt=ids, max_tokens=8, seed=3)
     assert by_ids.choices[0].text == by_text.choices[0].text
@@ -207,8 +200,8 @@ def test_a_stop_token_ends_the_answer_before_it(
 ) -> None:
     """The third token of a free run, given as a stop id, ends the answer there ("stop"); it
     counts as generated, and is not in the text."""
-    engine, tokenizer, _, decode = offline(server.step_name, chat_checkpoint)
-    ids = tokenizer.encode(PROMPT).ids
+    engine, codec = offline(server.step_name, chat_checkpoint)
+    ids = codec.completion_ids(PROMPT)
     free = engine.generate([ids], sampling_params=SamplingParams(max_tokens=12, seed=7))[0]
     stop = next(t for i, t in enumerate(free) if i >= 2 and t not in free[:i])
     answer = client(server).completions.create(
@@ -221,7 +214,7 @@ def test_a_stop_token_ends_the_answer_before_it(
     )
     assert answer.choices[0].finish_reason == "stop"
     assert answer.usage.completion_tokens == free.index(stop) + 1
-    assert answer.choices[0].text == decode(free[: free.index(stop)])
+    assert answer.choices[0].text == codec.decode(free[: free.index(stop)])
 
 
 # ---- the prefix cache across requests ---------------------------------------------------------

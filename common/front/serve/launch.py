@@ -18,15 +18,12 @@ from ...checkpoint import (
     check_stored_shapes,
     checkpoint_config,
     checkpoint_dir,
-    eos_token_ids,
     read_json,
 )
 from ...errors import CheckpointError, RequestError, UserError
 from ...inputs import blocks_for_request
 from ...sampling import SamplingParams
-from ..chat import load_chat_template
-from ..stream import text_decoder
-from ..text import load_tokenizer
+from ..text import TextCodec
 from .api_server import build_app
 from .async_llm import AsyncLLM
 from .cli import ServeOptions
@@ -41,21 +38,15 @@ STOP_GRACE_S = 5  # the longest a stop waits for the answers in flight to end
 
 def load_served_model(options: ServeOptions) -> ServedModel:
     """Everything about the checkpoint but its weights, checked: the config with the flags,
-    the tokenizer, the chat template, the eos ids, the sampling defaults, the weight shapes."""
+    the text side (tokenizer, chat template, eos ids), the sampling defaults, the weights'
+    names and shapes."""
     folder = checkpoint_dir(options.model)
     cfg = checkpoint_config(folder, **options.overrides())
     check_pool_holds_context(cfg)
-    tokenizer = load_tokenizer(folder)
+    codec = TextCodec.load(folder)
     check_stored_shapes(folder, cfg)
-    return ServedModel(
-        name=options.served_model_name or options.model,
-        tokenizer=tokenizer,
-        template=load_chat_template(folder),
-        eos_token_ids=tuple(eos_token_ids(folder)),
-        max_model_len=cfg.max_model_len,
-        sampling_defaults=sampling_defaults(folder),
-        decode=text_decoder(tokenizer),
-    )
+    name = options.served_model_name or options.model
+    return ServedModel(name, codec, cfg.max_model_len, sampling_defaults(folder))
 
 
 def sampling_defaults(folder: Any) -> dict[str, Any]:

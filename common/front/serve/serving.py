@@ -30,8 +30,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ...errors import ContextLengthError, RequestError, one_line
 from ...sampling import RequestOutput, SamplingParams
-from ..chat import ChatTemplate, check_messages
 from ..stream import IncrementalDetokenizer, answer_ids
+from ..text import TextCodec
 from . import protocol
 from .async_llm import AsyncLLM, RequestStream
 from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, SamplingRequest
@@ -43,16 +43,13 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class ServedModel:
-    """What the server knows of its checkpoint, loaded once: its name, its text side, and
-    the defaults a request falls back on."""
+    """What the server knows of its checkpoint, loaded once: its name, its text side (the
+    tokenizer, the chat template, the eos ids), and what a request falls back on."""
 
     name: str
-    tokenizer: Any  # tokenizers.Tokenizer
-    template: ChatTemplate | None
-    eos_token_ids: tuple[int, ...]
+    codec: TextCodec
     max_model_len: int | None
     sampling_defaults: dict[str, Any]  # generation_config.json's temperature, top_p, top_k
-    decode: Any  # token ids -> text, as every answer is decoded (stream.text_decoder)
 
 
 @dataclass(frozen=True)
@@ -97,7 +94,7 @@ class OpenAIServing:
     def completion_prompt(self, prompt: Any) -> Prompt:
         """A string, tokenized as ``generate_text`` does a plain prompt, or token ids."""
         if isinstance(prompt, str):
-            return Prompt(self.model.tokenizer.encode(prompt).ids, "prompt")
+            return Prompt(self.model.codec.completion_ids(prompt), "prompt")
         if isinstance(prompt, list) and all(type(t) is int for t in prompt):
             return Prompt(prompt, "prompt")
         raise OpenAIError(
@@ -110,7 +107,7 @@ class OpenAIServing:
     def chat_prompt(self, messages: list[Any]) -> Prompt:
         """The conversation in the checkpoint's chat markup, ending with the assistant's
         header: the ids ``generate_text`` gives the same messages."""
-        if self.model.template is None:
+        if self.model.codec.template is None:
             raise OpenAIError(
                 400,
                 "this model has no chat template (chat_template.jinja or tokenizer_config.json's "
@@ -118,11 +115,10 @@ class OpenAIServing:
                 param="messages",
             )
         try:
-            conversation = check_messages([text_only(m, i) for i, m in enumerate(messages, 1)])
-            text = self.model.template.render(conversation)
+            conversation = [text_only(message, i) for i, message in enumerate(messages, 1)]
+            return Prompt(self.model.codec.chat_ids(conversation), "messages")
         except ValueError as exc:  # a bad message, or the template refused it
             raise OpenAIError(400, one_line(exc), param="messages") from None
-        return Prompt(self.model.tokenizer.encode(text, add_special_tokens=False).ids, "messages")
 
     def sampling_params(
         self, request: SamplingRequest, prompt: Prompt, chat: bool
@@ -155,7 +151,8 @@ class OpenAIServing:
     ) -> Response:
         params = self.sampling_params(request, prompt, chat)
         try:
-            stream = await self.llm.add_request(prompt.ids, params, self.model.eos_token_ids)
+            codec = self.model.codec
+            stream = await self.llm.add_request(prompt.ids, params, codec.eos_token_ids)
         except RequestError as exc:
             raise openai_error(exc, prompt.field) from None
         answer = Answer(self.model, protocol.new_id("chatcmpl" if chat else "cmpl"), chat, prompt)
@@ -187,7 +184,7 @@ class Answer:
     def whole(self, final: RequestOutput) -> dict[str, Any]:
         if final.finish_reason == "abort":
             raise OpenAIError(503, "the request was aborted: the server is shutting down")
-        text = self.model.decode(answer_ids(final))
+        text = self.model.codec.decode(answer_ids(final))
         if self.chat:
             kind, choice = "chat.completion", protocol.message_choice(text, final.finish_reason)
         else:
@@ -199,7 +196,7 @@ class Answer:
     async def events(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events: a chunk per piece of text, the last with the finish reason,
         the usage if asked for, then ``[DONE]``."""
-        detokenizer = IncrementalDetokenizer(self.model.decode)
+        detokenizer = IncrementalDetokenizer(self.model.codec.decode)
         if self.chat:  # OpenAI's first chunk names the role
             yield self.event("", None, role="assistant")
         final = None
