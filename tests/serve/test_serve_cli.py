@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 from pathlib import Path
@@ -18,7 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from common.errors import CheckpointError
 from common.front.serve import cli as serve_cli
+from common.front.serve.launch import sampling_defaults
 from tests.helpers import STEP_NAMES, usage_error
 from tests.serve.server_process import ENGINE_FLAGS, ServerProcess, sse_events
 
@@ -80,7 +83,7 @@ def test_a_pool_too_small_for_the_context_is_refused(
     512 blocks of 4)."""
     argv = ["--model", str(chat_checkpoint), "--port", "0", "--block-size", "4"]
     line = one_line_failure([*argv, "--total-blocks", "100"], capsys)
-    assert "--total-blocks to 512" in line and "--max-model-len" in line
+    assert "--total-blocks) to at least 512" in line and "lower --max-model-len" in line
 
 
 def test_a_missing_package_is_one_line(
@@ -89,6 +92,31 @@ def test_a_missing_package_is_one_line(
     monkeypatch.setattr(serve_cli, "PACKAGES", ("no_such_package_here",))
     line = one_line_failure(["--model", str(chat_checkpoint), "--port", "0"], capsys)
     assert "no_such_package_here" in line and "pip install -e '.[serve]'" in line
+
+
+@pytest.mark.parametrize(
+    ("config", "defaults"),
+    [
+        (None, {"temperature": 1.0}),
+        ({"do_sample": True}, {"temperature": 1.0}),
+        ({"temperature": 0.6, "top_p": 0.9}, {"temperature": 0.6, "top_p": 0.9}),
+        ({"temperature": 0.7, "top_k": 20, "max_length": 50}, {"temperature": 0.7, "top_k": 20}),
+    ],
+)
+def test_a_request_falls_back_on_the_generation_config(
+    config: dict | None, defaults: dict, tmp_path: Path
+) -> None:
+    """vLLM's rule: the checkpoint's generation_config.json gives the sampling a request
+    leaves out (the fields this engine has), else a temperature of 1.0."""
+    if config is not None:
+        (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    assert sampling_defaults(tmp_path) == defaults
+
+
+def test_a_generation_config_it_cannot_use_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0}))
+    with pytest.raises(CheckpointError, match="top_p"):
+        sampling_defaults(tmp_path)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])

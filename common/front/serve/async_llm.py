@@ -18,9 +18,10 @@ its own, and everything else talks to that thread through a queue of calls:
 - after each round the engine thread hands the round's outputs to the event loop in one
   callback (``loop.call_soon_threadsafe``), which files each under its stream.
 
-Both threads share the GIL: the event loop runs while the engine thread waits for a lock-free
-model call or gives the GIL up (every few milliseconds). vLLM runs its engine core in another
-process for that reason; docs/serving.md measures what sharing costs here.
+Both threads share Python's GIL: the event loop runs while torch's kernels run without it,
+and whenever the engine thread's Python code gives it up (every 5 ms at most). vLLM runs its
+engine core in another process, partly for that reason; docs/serving.md measures what sharing
+costs here (a disconnect reaches the engine one round later, two at worst).
 
 If ``step()`` raises, the engine is left as the exception found it, so it is not trusted again:
 every request in flight gets the error, and later calls get ``EngineDeadError`` (vLLM's name).
@@ -52,7 +53,7 @@ class RequestTimes:
 
     arrival: float
     first_token: float | None = None
-    previous_token: float | None = None  # the round before the last one's (a token's gap)
+    previous_token: float | None = None  # when the token before the last came
     last_token: float | None = None
 
 
@@ -115,13 +116,12 @@ class AsyncLLM:
 
     ``start()`` on the event loop, then ``add_request`` / ``abort`` / ``call`` from any
     coroutine, and ``shutdown()`` at the end. ``on_round(stats, delivered, now)`` is called on
-    the event loop after each round (the server's metrics); ``stats`` is the engine's
-    ``EngineStats`` after the round, also kept in ``self.stats``.
+    the event loop after each round (the server's metrics), with the engine's ``EngineStats``
+    after the round.
     """
 
     def __init__(self, engine: Any, on_round: OnRound | None = None) -> None:
         self.engine = engine
-        self.stats = engine.stats
         self.dead: BaseException | None = None
         self._on_round = on_round
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -250,7 +250,8 @@ class AsyncLLM:
             self.engine.abort(stream.request_id)  # the next step() reports it, "abort"
 
     def _fail_everyone(self, exc: Exception) -> None:
-        """``step()`` raised: every stream in flight ends with the error; no call runs again."""
+        """The engine raised (in ``step()``, or in an abort): every stream in flight ends with
+        the error, and no call runs again."""
         self.dead = exc
         failed = list(self._streams.values())
         self._streams.clear()
@@ -266,7 +267,6 @@ class AsyncLLM:
 
     def _deliver(self, delivered: Delivered, stats: Any) -> None:
         now = time.perf_counter()
-        self.stats = stats
         for stream, output in delivered:
             stream.put(output, now)
         if self._on_round is not None:

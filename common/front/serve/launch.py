@@ -21,7 +21,7 @@ from ...checkpoint import (
     read_json,
 )
 from ...errors import CheckpointError, RequestError, UserError
-from ...inputs import blocks_for_request
+from ...inputs import check_fits_pool
 from ...sampling import SamplingParams
 from ..text import TextCodec
 from .api_server import build_app
@@ -68,13 +68,13 @@ def check_pool_holds_context(cfg: Any) -> None:
     the model accepts could never run."""
     if cfg.max_model_len is None:
         return
-    need = blocks_for_request(cfg.max_model_len - 1, 1, cfg.block_size)
-    if need > cfg.total_blocks:
+    try:
+        check_fits_pool(cfg.max_model_len - 1, 1, cfg)  # the longest: one token left to make
+    except RequestError as exc:
         raise UserError(
-            f"the KV pool ({cfg.total_blocks} blocks of {cfg.block_size} tokens) cannot hold "
-            f"one request of the model's context length ({cfg.max_model_len} tokens, "
-            f"{need} blocks): raise --total-blocks to {need}, or lower --max-model-len"
-        )
+            f"the KV pool cannot hold one request as long as the context ({cfg.max_model_len} "
+            f"tokens): {exc}, or lower --max-model-len"
+        ) from None
 
 
 class EngineServer(uvicorn.Server):

@@ -59,12 +59,11 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.total_blocks = total_blocks
         self._last = EngineStats()  # the stats of the last round: counters grow by the gain
-        labels = {"model_name": model_name}
-        self.labels = list(labels.values())
+        self.model_name = model_name
 
         def make(kind: type, name: str, doc: str, **extra: Any) -> Any:
-            metric = kind(name, doc, list(labels), registry=self.registry, **extra)
-            return metric.labels(**labels)
+            metric = kind(name, doc, ["model_name"], registry=self.registry, **extra)
+            return metric.labels(model_name)
 
         self.running = make(Gauge, "vllm:num_requests_running", "Requests running (admitted).")
         self.waiting = make(Gauge, "vllm:num_requests_waiting", "Requests waiting (queued).")
@@ -83,7 +82,7 @@ class Metrics:
         self.finished = Counter(
             "vllm:request_success",
             "Requests finished, by why: stop (eos or a stop id), length (max_tokens), abort.",
-            [*labels, "finished_reason"],
+            ["model_name", "finished_reason"],
             registry=self.registry,
         )
         self.ttft = make(Histogram, TTFT, "Time to first token.", buckets=TTFT_BUCKETS)
@@ -112,7 +111,7 @@ class Metrics:
             elif output.new_token_ids and times.previous_token is not None:
                 self.tpot.observe((now - times.previous_token) / len(output.new_token_ids))
             if output.finished:
-                self.finished.labels(*self.labels, output.finish_reason).inc()
+                self.finished.labels(self.model_name, output.finish_reason).inc()
                 if output.finish_reason != "abort":
                     self.e2e.observe(now - times.arrival)
 

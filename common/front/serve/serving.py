@@ -123,12 +123,10 @@ class OpenAIServing:
     def sampling_params(
         self, request: SamplingRequest, prompt: Prompt, chat: bool
     ) -> SamplingParams:
-        """The request's fields over the checkpoint's defaults. Without ``max_tokens``, a
-        completion makes 16 tokens and a chat answer may fill the context (vLLM's rules)."""
+        """The request's fields over the checkpoint's defaults."""
         max_tokens = request.max_tokens_asked()
         if max_tokens is None:
-            room = (self.model.max_model_len or 0) - len(prompt.ids)
-            max_tokens = max(room, 1) if chat and self.model.max_model_len else DEFAULT_MAX_TOKENS
+            max_tokens = self.default_max_tokens(prompt, chat)
         given = {
             "temperature": request.temperature,
             "top_p": request.top_p,
@@ -144,15 +142,23 @@ class OpenAIServing:
         except RequestError as exc:
             raise openai_error(exc, prompt.field) from None
 
+    def default_max_tokens(self, prompt: Prompt, chat: bool) -> int:
+        """vLLM's: a completion makes 16 tokens, a chat answer may fill what the context has
+        left (at least one: a prompt that fills it all is then refused, with the numbers)."""
+        limit = self.model.max_model_len
+        if not chat or limit is None:
+            return DEFAULT_MAX_TOKENS
+        return max(limit - len(prompt.ids), 1)
+
     # ---- the engine, and the answer out -------------------------------------------------------
 
     async def serve(
         self, request: SamplingRequest, raw: Request, prompt: Prompt, chat: bool
     ) -> Response:
         params = self.sampling_params(request, prompt, chat)
+        eos = self.model.codec.eos_token_ids
         try:
-            codec = self.model.codec
-            stream = await self.llm.add_request(prompt.ids, params, codec.eos_token_ids)
+            stream = await self.llm.add_request(prompt.ids, params, eos)
         except RequestError as exc:
             raise openai_error(exc, prompt.field) from None
         answer = Answer(self.model, protocol.new_id("chatcmpl" if chat else "cmpl"), chat, prompt)
