@@ -56,6 +56,7 @@ class SamplingRequest(BaseModel):
     top_k: int | None = None  # vLLM's extension; 0 or -1: all tokens
     seed: int | None = None
     stop_token_ids: list[int] | None = None  # vLLM's extension
+    ignore_eos: bool = False  # vLLM's extension: run to max_tokens (benchmarks use it)
     stream: bool = False
     stream_options: StreamOptions | None = None
 

@@ -156,7 +156,7 @@ class OpenAIServing:
         self, request: SamplingRequest, raw: Request, prompt: Prompt, chat: bool
     ) -> Response:
         params = self.sampling_params(request, prompt, chat)
-        eos = self.model.codec.eos_token_ids
+        eos = None if request.ignore_eos else self.model.codec.eos_token_ids
         try:
             stream = await self.llm.add_request(prompt.ids, params, eos)
         except RequestError as exc:
