@@ -20,20 +20,24 @@ streams one answer to ``out`` and returns its figures.
 
 from __future__ import annotations
 
+import argparse
 import signal
 import sys
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
+from types import ModuleType
 from typing import Any, TextIO
 
 import torch
 
-from ..errors import RequestError, one_line
+from ..checkpoint import checkpoint_config, checkpoint_dir
+from ..errors import CheckpointError, RequestError, one_line, report_user_errors
 from ..sampling import RequestOutput, SamplingParams
-from .cli import plural
+from .cli import EngineOptions, HelpFormatter, add_engine_flags, checkpoint_folder, plural, text_of
+from .steps import load_step
 from .stream import IncrementalDetokenizer, answer_ids
+from .text import TextCodec
+from .text_cli import add_sampling_flags, sampling_params
 
 RESET, EXIT = "/reset", "/exit"
 
@@ -57,7 +61,10 @@ class Turn:
 
 class ChatSession:
     """One conversation with one engine: ``codec`` writes it in the chat template
-    (``chat_ids``), decodes answers (``decode``) and knows the eos ids (``eos_token_ids``)."""
+    (``chat_ids``), decodes answers (``decode``) and knows the eos ids (``eos_token_ids``).
+
+    An answer is at most ``params.max_tokens`` long, and at most what the context has left.
+    """
 
     def __init__(
         self,
@@ -72,12 +79,18 @@ class ChatSession:
         self.params = params
         self.system = system
         self.out = out
-        self.stop = threading.Event()  # set (by Ctrl-C) to stop the answer being streamed
+        self.answering = False
+        self._stop = False  # set by ``interrupt``: abort the answer at the next round
         self.messages: list[dict[str, str]] = []
         self.reset()
 
     def reset(self) -> None:
         self.messages = [] if self.system is None else [{"role": "system", "content": self.system}]
+
+    def interrupt(self) -> bool:
+        """Stop the answer being written (Ctrl-C); False when there is none."""
+        self._stop = self.answering
+        return self.answering
 
     def turn(self, text: str) -> Turn:
         """The user's ``text``, then the assistant's answer, streamed. A request the engine
@@ -85,23 +98,34 @@ class ChatSession:
         stays as it was."""
         conversation = [*self.messages, {"role": "user", "content": text}]
         ids = self.codec.chat_ids(conversation)
-        request_id = self.engine.add_request(
-            ids, None, self.codec.eos_token_ids, sampling_params=self.params
-        )
-        self.stop.clear()
-        final = self._stream(request_id)
+        eos = self.codec.eos_token_ids
+        params = self.params_for(len(ids))
+        request_id = self.engine.add_request(ids, None, eos, sampling_params=params)
+        self.answering, self._stop = True, False
+        try:
+            final = self._stream(request_id)
+        finally:
+            self.answering = False
         answer = self.codec.decode(answer_ids(final))
         self.messages = [*conversation, {"role": "assistant", "content": answer}]
         return Turn(len(ids), final.num_cached_tokens, len(final.token_ids), final.finish_reason)
 
+    def params_for(self, prompt_len: int) -> SamplingParams:
+        """The answer may not run past the context: ``max_tokens`` is cut to what is left (a
+        prompt that fills it all is refused by the engine, with the numbers)."""
+        limit = self.engine.model.cfg.max_model_len
+        if limit is None or not 0 < limit - prompt_len < self.params.max_tokens:
+            return self.params
+        return replace(self.params, max_tokens=limit - prompt_len)
+
     def _stream(self, request_id: int) -> RequestOutput:
-        """Rounds until the request ends, its text written as it grows; ``stop`` aborts it
-        between two rounds."""
+        """Rounds until the request ends, its text written as it grows; ``interrupt`` aborts
+        it between two rounds."""
         detokenizer = IncrementalDetokenizer(self.codec.decode)
         out = self.out or sys.stdout
         aborted = False
         while True:
-            if self.stop.is_set() and not aborted:
+            if self._stop and not aborted:
                 self.engine.abort(request_id)  # the next round reports it: "abort"
                 aborted = True
             for output in self.engine.step():
@@ -116,35 +140,40 @@ class ChatSession:
                     return output
 
 
-@contextmanager
-def ctrl_c_sets(event: threading.Event) -> Iterator[None]:
-    """While inside, Ctrl-C sets ``event`` instead of raising ``KeyboardInterrupt`` in the
-    middle of a round (which would leave the engine half-way through it)."""
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: event.set())
+def chat(session: ChatSession, lines: TextIO, out: TextIO) -> None:
+    """The loop: read a line, answer it, say what the cache did; until ``/exit`` or the end of
+    ``lines``.
+
+    Ctrl-C is caught for the whole loop: during an answer it stops the answer (at the end of
+    the round: a ``KeyboardInterrupt`` in the middle of one would leave the engine half-way
+    through it); at the prompt it only says how to leave.
+    """
+
+    def on_ctrl_c(signum: int, frame: object) -> None:
+        if not session.interrupt():
+            out.write(f"\n(Ctrl-C stops an answer; {EXIT} or Ctrl-D leaves)\n> ")
+            out.flush()
+
+    previous = signal.signal(signal.SIGINT, on_ctrl_c)
     try:
-        yield
+        with torch.inference_mode():
+            loop(session, lines, out)
     finally:
         signal.signal(signal.SIGINT, previous)
 
 
-def chat(session: ChatSession, lines: TextIO, out: TextIO) -> None:
-    """The loop: read a line, answer it, say what the cache did; until ``/exit`` or the end of
-    ``lines``. Ctrl-C at the prompt only clears it."""
+def loop(session: ChatSession, lines: TextIO, out: TextIO) -> None:
     echo = not lines.isatty()  # piped in: show what was typed, as a terminal would have
     while True:
         out.write("\n> ")
         out.flush()
-        try:
-            line = lines.readline()
-        except KeyboardInterrupt:
-            out.write(f"\n(Ctrl-C stops an answer; {EXIT} or Ctrl-D leaves)")
-            continue
-        if not line or line.strip() == EXIT:
-            out.write("\n" if not line else line if echo else "")
-            return
-        text = line.strip()
+        line = lines.readline()
         if echo:
             out.write(line)
+        text = line.strip()
+        if not line or text == EXIT:
+            out.write("" if line else "\n")
+            return
         if text == RESET:
             session.reset()
             out.write("(a new conversation)\n")
@@ -154,9 +183,88 @@ def chat(session: ChatSession, lines: TextIO, out: TextIO) -> None:
 
 def answer(session: ChatSession, text: str, out: TextIO) -> None:
     try:
-        with ctrl_c_sets(session.stop), torch.inference_mode():
-            turn = session.turn(text)
+        turn = session.turn(text)
     except RequestError as exc:
-        out.write(f"error: {one_line(exc)}\n")
+        out.write(f"error: {one_line(exc)} ({RESET} starts over)\n")
         return
     out.write(turn.summary() + "\n")
+
+
+# ---- the command line ------------------------------------------------------------------------
+
+DESCRIPTION = """\
+A conversation with a checkpoint, turn after turn, through this step's engine: each answer
+streams as it is made, and after it a line says how many prompt tokens the prefix cache
+served (the conversation so far: the engine computed it on the turns before). /reset starts
+over, /exit (or Ctrl-D) leaves, Ctrl-C stops an answer."""
+CHAT_MAX_NEW_TOKENS = 512  # an answer's default length: a conversation wants more than 16
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """``run.py --model DIR --chat``'s flags, read once."""
+
+    model: str
+    system: str | None
+    sampling_params: SamplingParams
+    engine: EngineOptions
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=DESCRIPTION, formatter_class=HelpFormatter
+    )
+    parser.add_argument(
+        "--model",
+        type=checkpoint_folder,
+        required=True,
+        metavar="DIR",
+        help="a local Hugging Face Llama checkpoint with a chat template",
+    )
+    parser.add_argument(
+        "--chat", action="store_true", help="talk with the model, turn after turn: this loop"
+    )
+    parser.add_argument(
+        "--system",
+        type=text_of("--system"),
+        metavar="TEXT",
+        help="the conversation's system message (kept by /reset)",
+    )
+    add_sampling_flags(parser, max_new_tokens=CHAT_MAX_NEW_TOKENS)
+    add_engine_flags(parser)
+    return parser
+
+
+def read_options(parser: argparse.ArgumentParser, argv: list[str]) -> ChatOptions:
+    args = parser.parse_args(argv)
+    params = sampling_params(parser, args)
+    return ChatOptions(args.model, args.system, params, EngineOptions.from_args(args))
+
+
+def run(step_name: str, options: ChatOptions) -> int:
+    """Load, then the loop until ``/exit`` or the end of the input. A checkpoint it cannot use
+    (no chat template, ...) is one ``error:`` line and status 1."""
+    options.engine.set_threads()
+    prog = f"python -m {step_name}.run"
+    return report_user_errors(prog, lambda: start_chat(load_step(step_name), options))
+
+
+def start_chat(step: ModuleType, options: ChatOptions) -> int:
+    folder = checkpoint_dir(options.model)
+    codec = TextCodec.load(folder)
+    if codec.template is None:
+        raise CheckpointError(
+            f"{folder} has no chat template (chat_template.jinja or tokenizer_config.json's "
+            "chat_template): --chat writes the conversation in it; an instruct checkpoint has one"
+        )
+    cfg = checkpoint_config(folder, **options.engine.model_overrides())
+    start = time.perf_counter()
+    model = step.TinyTransformerPaged.from_pretrained(folder, config=cfg)
+    engine = step.PagedPrefixCacheEngine(
+        model, max_running=options.engine.max_running, seed=options.engine.seed
+    )
+    print(f"{step.__name__}: {options.model} (loaded in {time.perf_counter() - start:.1f} s)")
+    print(f"Type a message. {RESET} starts over, {EXIT} or Ctrl-D leaves, Ctrl-C stops an answer.")
+    session = ChatSession(engine, codec, options.sampling_params, options.system)
+    chat(session, sys.stdin, sys.stdout)
+    return 0

@@ -54,7 +54,7 @@ pool after the round, with the ref_count of every block that moved. --trace-png 
 same round as a picture, blocks x rounds.
 
 With --model DIR (a local Hugging Face Llama checkpoint) the same command serves real text
-instead: --model DIR --help lists its flags.
+instead: --model DIR --help lists its flags. --model DIR --chat is a conversation with it.
 """
 
 TRACE_ROUNDS = {

@@ -1,10 +1,11 @@
 """``python -m <step>.run``: one command, several front ends, chosen by a flag.
 
-``--model DIR`` serves a checkpoint's text (``text_cli.py``); without it, the chapter's demo
-runs (``demo.py``). Every front end is a module with the same three functions:
-``build_parser(prog)`` defines its flags, ``read_options(parser, argv)`` checks them and reads
-them into a frozen options object, and ``run(step_name, options)`` does the work and returns the
-exit status. A new front end is one more entry of ``FRONT_ENDS``.
+``--model DIR`` serves a checkpoint's text (``text_cli.py``), ``--model DIR --chat`` talks with
+it, turn after turn (``chat_loop.py``); without them, the chapter's demo runs (``demo.py``).
+Every front end is a module with the same three functions: ``build_parser(prog)`` defines its
+flags, ``read_options(parser, argv)`` checks them and reads them into a frozen options object,
+and ``run(step_name, options)`` does the work and returns the exit status. A new front end is
+one more entry of ``FRONT_ENDS``.
 
 Nothing heavy is imported here until a front end is chosen, so that ``run_command``, what
 ``python -m <step>.run`` runs, answers Ctrl-C with one line from the start: also in the seconds
@@ -29,7 +30,10 @@ class FrontEnd:
     what: str  # what it serves, for the line that refuses one of its flags elsewhere
 
 
-FRONT_ENDS = (  # the first whose flag is given runs: a chat loop (--chat) would come first
+FRONT_ENDS = (  # the first whose flag is given runs
+    # The chat loop's flags are --chat and some of the text front end's: a stray one of them
+    # needs what the text front end's do.
+    FrontEnd("chat_loop", "--chat", "--model DIR (a checkpoint's text)"),
     FrontEnd("text_cli", "--model", "--model DIR (a checkpoint's text)"),
     FrontEnd("demo", None, "the demo's own requests"),
 )

@@ -135,13 +135,18 @@ def add_request_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+def add_sampling_flags(
+    parser: argparse.ArgumentParser, max_new_tokens: int = SamplingParams().max_tokens
+) -> None:
+    """``--max-new-tokens`` (by default vLLM's 16; the chat loop wants longer answers),
+    ``--temperature``, ``--top-p``, ``--top-k``."""
+    vllms = " (vLLM's default)" if max_new_tokens == SamplingParams().max_tokens else ""
     parser.add_argument(
         "--max-new-tokens",
         type=positive_int,
-        default=SamplingParams().max_tokens,
+        default=max_new_tokens,
         metavar="N",
-        help="the most tokens generated per request (vLLM's default)",
+        help=f"the most tokens generated per request{vllms}",
     )
     parser.add_argument(
         "--temperature",

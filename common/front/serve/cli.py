@@ -16,12 +16,9 @@ import socket
 import time
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
-
-import torch
 
 from ...errors import MissingPackageError, UserError, end_as_interrupted, report_user_errors
-from ..cli import EngineOptions, HelpFormatter, add_engine_flags, dtype_value, int_range
+from ..cli import EngineOptions, HelpFormatter, add_engine_flags, int_range
 from ..steps import load_step
 from ..text import model_dir_arg
 
@@ -49,18 +46,6 @@ class ServeOptions:
     api_key: str | None
     served_model_name: str | None
     engine: EngineOptions
-
-    def overrides(self) -> dict[str, Any]:
-        """``from_pretrained``'s keyword arguments: the pool's shape, where the model runs."""
-        e = self.engine
-        given = {
-            "device": e.device,
-            "dtype": dtype_value(e.dtype),
-            "block_size": e.block_size,
-            "total_blocks": e.total_blocks,
-            "max_model_len": e.max_model_len,
-        }
-        return {name: value for name, value in given.items() if value is not None}
 
 
 def parse_args(step_name: str, argv: list[str] | None) -> ServeOptions:
@@ -112,18 +97,17 @@ def main(step_name: str, argv: list[str] | None = None) -> int:
 
 
 def serve(step: ModuleType, options: ServeOptions, prog: str) -> int:
-    from .launch import build_server, load_served_model  # the packages are checked first
-
+    """Check, bind, load, serve until stopped."""
     require_packages()
+    from .launch import build_server, load_served_model  # needs the packages
+
     listener = bind(options.host, options.port)
-    served = load_served_model(options)
-    engine_options = options.engine
-    if engine_options.threads:
-        torch.set_num_threads(engine_options.threads)
+    served, cfg = load_served_model(options)
+    options.engine.set_threads()
     start = time.perf_counter()
-    model = step.TinyTransformerPaged.from_pretrained(options.model, **options.overrides())
+    model = step.TinyTransformerPaged.from_pretrained(options.model, config=cfg)
     engine = step.PagedPrefixCacheEngine(
-        model, max_running=engine_options.max_running, seed=engine_options.seed
+        model, max_running=options.engine.max_running, seed=options.engine.seed
     )
     print(f"{prog}: {served.name!r} loaded in {time.perf_counter() - start:.1f} s", flush=True)
     try:

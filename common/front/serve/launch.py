@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -20,10 +21,11 @@ from ...checkpoint import (
     checkpoint_dir,
     read_json,
 )
+from ...config import ModelConfig
 from ...errors import CheckpointError, RequestError, UserError
 from ...inputs import check_fits_pool
 from ...sampling import SamplingParams
-from ..text import TextCodec
+from ..text import TextCodec, long_context_warning
 from .api_server import build_app
 from .async_llm import AsyncLLM
 from .cli import ServeOptions
@@ -36,20 +38,23 @@ SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k")
 STOP_GRACE_S = 5  # the longest a stop waits for the answers in flight to end
 
 
-def load_served_model(options: ServeOptions) -> ServedModel:
+def load_served_model(options: ServeOptions) -> tuple[ServedModel, ModelConfig]:
     """Everything about the checkpoint but its weights, checked: the config with the flags,
     the text side (tokenizer, chat template, eos ids), the sampling defaults, the weights'
-    names and shapes."""
+    names and shapes. Returns the config the model is to be built with, too."""
     folder = checkpoint_dir(options.model)
-    cfg = checkpoint_config(folder, **options.overrides())
+    cfg = checkpoint_config(folder, **options.engine.model_overrides())
     check_pool_holds_context(cfg)
+    warning = long_context_warning(cfg)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     codec = TextCodec.load(folder)
     check_stored_shapes(folder, cfg)
     name = options.served_model_name or options.model
-    return ServedModel(name, codec, cfg.max_model_len, sampling_defaults(folder))
+    return ServedModel(name, codec, cfg.max_model_len, sampling_defaults(folder)), cfg
 
 
-def sampling_defaults(folder: Any) -> dict[str, Any]:
+def sampling_defaults(folder: Path) -> dict[str, Any]:
     """What a request leaves out: ``generation_config.json``'s temperature, top_p and top_k
     when it has them (vLLM's ``--generation-config auto``), else a temperature of 1.0."""
     path = folder / GENERATION_CONFIG_FILE
@@ -63,7 +68,7 @@ def sampling_defaults(folder: Any) -> dict[str, Any]:
     return defaults
 
 
-def check_pool_holds_context(cfg: Any) -> None:
+def check_pool_holds_context(cfg: ModelConfig) -> None:
     """vLLM's rule: the KV pool must hold one request as long as the context, or a request
     the model accepts could never run."""
     if cfg.max_model_len is None:
