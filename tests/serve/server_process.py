@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from common.front.cli import EngineOptions
 from tests.helpers import ROOT, SUBPROCESS_TIMEOUT_S
 
 API_KEY = "test-key"
@@ -26,8 +27,9 @@ SERVED_NAME = "toy-chat"
 CONTEXT = 2048  # the checkpoint's max_position_embeddings
 # The engine as every test server runs it: float64, where batching changes no logit, so a
 # sampled token never flips between a request served alone and one served with 15 others.
-ENGINE_FLAGS = ["--dtype", "float64", "--block-size", "4", "--max-running", "16"]
-ENGINE_OVERRIDES: dict[str, Any] = {"dtype": "float64", "block_size": 4}
+ENGINE = EngineOptions(dtype="float64", block_size=4, max_running=16)
+ENGINE_FLAGS = ["--dtype", "float64", "--block-size", "4", "--max-running", "16"]  # the same
+ENGINE_OVERRIDES = ENGINE.model_overrides()  # from_pretrained's, for the engine offline
 
 
 class ServerProcess:

@@ -26,11 +26,12 @@ import httpx
 import openai
 
 from common.front.steps import load_step
-from common.front.text import TextCodec, generate_text
+from common.front.text import TextCodec, TextOptions, generate_text
 from common.sampling import SamplingParams
 from tests.serve.server_process import (
     API_KEY,
     CONTEXT,
+    ENGINE,
     ENGINE_OVERRIDES,
     SERVED_NAME,
     ServerProcess,
@@ -136,9 +137,8 @@ def test_temperature_0_is_generate_text(server: ServerProcess, chat_checkpoint: 
     answer = client(server).chat.completions.create(
         model=SERVED_NAME, messages=messages, max_tokens=16, temperature=0
     )
-    text = generate_text(
-        server.step_name, chat_checkpoint, [messages], max_new_tokens=16, **ENGINE_OVERRIDES
-    )
+    options = TextOptions(max_new_tokens=16, engine=ENGINE)
+    text = generate_text(server.step_name, chat_checkpoint, [messages], options)
     assert answer.choices[0].message.content == text.outputs[0]
 
 

@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from ...errors import MissingPackageError, UserError, end_as_interrupted, report_user_errors
-from ..cli import EngineOptions, HelpFormatter, add_engine_flags, int_range
+from ..cli import EngineOptions, HelpFormatter, add_engine_flags, checkpoint_folder, int_range
 from ..steps import load_step
-from ..text import model_dir_arg
 
 DESCRIPTION = """\
 An OpenAI-compatible server (vLLM's endpoints and metric names) over this step's engine. The
@@ -54,7 +53,7 @@ def parse_args(step_name: str, argv: list[str] | None) -> ServeOptions:
     )
     p.add_argument(
         "--model",
-        type=model_dir_arg,
+        type=checkpoint_folder,
         required=True,
         metavar="DIR",
         help="a local Hugging Face Llama checkpoint directory",
