@@ -101,9 +101,13 @@ def test_a_conversation_through_a_pipe(step_name: str, chat_checkpoint: Path) ->
     assert chat_loop.process.stderr.read() == ""  # type: ignore[union-attr]
 
 
-def session_of(step_name: str, checkpoint: Path, max_tokens: int) -> ChatSession:
+def session_of(
+    step_name: str, checkpoint: Path, max_tokens: int, **overrides: object
+) -> ChatSession:
     step = load_step(step_name)
-    model = step.TinyTransformerPaged.from_pretrained(checkpoint, **ENGINE_OVERRIDES)
+    model = step.TinyTransformerPaged.from_pretrained(
+        checkpoint, **{**ENGINE_OVERRIDES, **overrides}
+    )
     engine = step.PagedPrefixCacheEngine(model)
     params = SamplingParams(max_tokens=max_tokens)
     return ChatSession(engine, TextCodec.load(checkpoint), params, out=io.StringIO())
@@ -154,6 +158,16 @@ def test_ctrl_c_at_the_prompt_only_says_how_to_leave(chat_checkpoint: Path) -> N
     chat(session, CtrlCAtThePrompt("Is the cat happy?\n"), out)
     assert "(Ctrl-C stops an answer; /exit or Ctrl-D leaves)" in out.getvalue()
     assert SUMMARY.search(out.getvalue()).group(4) == "length"
+
+
+def test_an_answer_stops_where_the_context_ends(chat_checkpoint: Path) -> None:
+    """Asked for more tokens than the context has left, an answer gets what is left (and
+    ends with "length"), rather than an error."""
+    session = session_of(STEP_NAMES[-1], chat_checkpoint, max_tokens=100, max_model_len=40)
+    out = io.StringIO()
+    chat(session, io.StringIO("Is the cat happy?\n"), out)
+    prompt, _, new, reason = SUMMARY.search(out.getvalue()).groups()
+    assert int(prompt) + int(new) == 40 and reason == "length"
 
 
 def test_a_message_past_the_context_is_one_line_and_the_session_goes_on(

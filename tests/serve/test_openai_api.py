@@ -280,6 +280,48 @@ def test_a_dropped_stream_is_aborted_and_the_pool_left_clean(server: ServerProce
     assert answer.usage.completion_tokens == 4
 
 
+def test_a_client_that_leaves_before_a_whole_answer_is_aborted(server: ServerProcess) -> None:
+    """Not streamed: the client gives up waiting (its timeout) and hangs up; the server sees it
+    and aborts the request instead of computing an answer nobody reads."""
+    before = wait_until_idle(server)
+    aborted = metric(before, "vllm:request_success_total", finished_reason="abort")
+    body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": CONTEXT - 64}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(timeout=0.2) as impatient:
+        try:
+            impatient.post(server.url + "/v1/completions", json=body, headers=headers)
+        except httpx.TimeoutException:
+            pass
+        else:
+            raise AssertionError("the answer came within 0.2 s: it was meant to take longer")
+    after = wait_until_idle(server)
+    assert metric(after, "vllm:request_success_total", finished_reason="abort") == aborted + 1
+
+
+def test_metrics_count_each_request_and_token_once(server: ServerProcess) -> None:
+    """One request of 5 tokens: one time to first token, four gaps between tokens, one
+    end-to-end latency, five generated tokens, its prompt's tokens, one "length"."""
+    series = {
+        "ttft": ("vllm:time_to_first_token_seconds_count", {}),
+        "tpot": ("vllm:time_per_output_token_seconds_count", {}),
+        "e2e": ("vllm:e2e_request_latency_seconds_count", {}),
+        "generated": ("vllm:generation_tokens_total", {}),
+        "prompt": ("vllm:prompt_tokens_total", {}),
+        "queried": ("vllm:prefix_cache_queries_total", {}),
+        "length": ("vllm:request_success_total", {"finished_reason": "length"}),
+    }
+    before = wait_until_idle(server)
+    answer = client(server).completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=5)
+    after = wait_until_idle(server)
+    grew = {
+        key: metric(after, name, **labels) - metric(before, name, **labels)
+        for key, (name, labels) in series.items()
+    }
+    prompt = answer.usage.prompt_tokens
+    expected = {"ttft": 1, "tpot": 4, "e2e": 1, "generated": 5, "length": 1}
+    assert grew == {**expected, "prompt": prompt, "queried": prompt}
+
+
 def test_models_lists_the_served_name(server: ServerProcess) -> None:
     models = client(server).models.list()
     assert [m.id for m in models.data] == [SERVED_NAME]
