@@ -195,9 +195,12 @@ def test_a_checkpoint_without_a_chat_template_is_one_line(toy_checkpoint: Path) 
 @pytest.mark.parametrize(
     ("flag", "says"),
     [
-        (["--stream"], "--stream does not go with --chat"),
-        (["--prompt", "hi"], "--prompt does not go with --chat"),
-        (["--trace-round", "batched"], "--trace-round is for the demo's own rounds"),
+        (
+            ["--stream"],
+            "--stream is for --model DIR (a checkpoint's text): it does not go with --chat",
+        ),
+        (["--prompt", "hi"], "--prompt is for --model DIR (a checkpoint's text): it does not go"),
+        (["--trace-round", "batched"], "--trace-round is for the demo's own requests"),
     ],
 )
 def test_a_flag_of_another_front_end_is_one_line(
