@@ -27,6 +27,7 @@ from common.front.cli import (
 from common.front.steps import available_steps
 
 from .cells import SPREAD_FLAG
+from .endpoint import endpoint_url
 from .options import BenchOptions
 from .progress import Progress
 from .workloads import WORKLOADS
@@ -157,6 +158,12 @@ REQUEST_FLAGS = {
         request_rate,
         "R",
         "serving: requests per second, arriving as a seeded Poisson process (inf: all at once)",
+    ),
+    "endpoint": (
+        endpoint_url,
+        "URL",
+        "serving: also send the requests to an OpenAI-compatible server at URL (python -m "
+        "step14_7.serve, vllm serve; start it on the same --model) and time its answers",
     ),
     "model": (
         model_name,

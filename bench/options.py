@@ -25,6 +25,7 @@ class BenchOptions:
     sweep_requests: tuple[int, ...] | None = None
     sweep_cached: tuple[int, ...] | None = None
     request_rate: float | None = None
+    endpoint: str | None = None  # serving: an OpenAI-compatible server's URL, served too
     # the engine (cli.add_engine_flags)
     block_size: int = 16
     total_blocks: int | None = None  # None: the workload sizes the pool

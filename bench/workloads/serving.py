@@ -39,6 +39,7 @@ from common.device import synchronize
 from common.front.cli import plural
 
 from ..cells import SPREAD_FLAG, Cell, flagged_note, markdown
+from ..endpoint import Endpoint, check_reachable, endpoint_serve, reset_prefix_cache
 from ..latency import RequestTimes, RunFigures, Serve, TimedRequest, poisson_arrivals
 from ..models import StepModel, load_step_model, load_workload_model
 from ..options import BenchOptions
@@ -52,7 +53,13 @@ NAME = "serving"
 SUMMARY = "requests arriving over time, time to first token and per output token (latency)"
 # the shared-prefix requests, fewer and shorter, arriving at a rate
 DEFAULTS = shared_prefix.DEFAULTS | dict(
-    requests=32, prefix_len=64, tail_len=16, new_tokens=16, max_running=16, request_rate=16.0
+    requests=32,
+    prefix_len=64,
+    tail_len=16,
+    new_tokens=16,
+    max_running=16,
+    request_rate=16.0,
+    endpoint=None,
 )
 NOT_READ = "serves its own requests"  # never said: it reads every flag but a sweep's
 HELP = __doc__.split("\n\n")[0]
@@ -181,7 +188,7 @@ class Setting:
         return "on" if self.prefix_cache else "off"
 
 
-ServingCell = Cell[Setting, RunFigures]
+ServingCell = Cell[Setting | Endpoint, RunFigures]
 
 
 def plan(steps: tuple[str, ...], workload: ServingWorkload) -> list[ServingCell]:
@@ -212,7 +219,27 @@ def run_cells(cfg, weights, workload: ServingWorkload, options: BenchOptions, pr
                 with progress.task(label):
                     cell.runs.append(engine_serve(model, cell.setting)(requests))
             del model  # its KV pool: one at a time
+    if options.endpoint is not None:
+        cells.append(endpoint_cell(Endpoint(options.endpoint), requests, options, progress))
     return cells
+
+
+def endpoint_cell(
+    endpoint: Endpoint, requests: list[TimedRequest], options: BenchOptions, progress: Progress
+) -> ServingCell:
+    """The server at ``--endpoint``, served the same requests: once untimed (its first work
+    pays one-time costs too), then ``--repeats`` times, each from a cold prefix cache."""
+    cell, serve = ServingCell(f"{endpoint.url} (HTTP)", endpoint), endpoint_serve(endpoint)
+    with progress.task(f"{endpoint.url}: warm-up run (untimed)"):
+        serve(requests)
+    cold = True
+    for repeat in range(options.repeats):
+        cold = reset_prefix_cache(endpoint.url) and cold
+        with progress.task(f"{endpoint.url}: run {repeat + 1}"):
+            cell.runs.append(serve(requests))
+    if not cold:
+        print(f"  {endpoint.url} has no /reset_prefix_cache: its runs found the prefix cached")
+    return cell
 
 
 def check_cells(cells: list[ServingCell], new_tokens: int, expected) -> list[str]:
@@ -225,6 +252,8 @@ def check_cells(cells: list[ServingCell], new_tokens: int, expected) -> list[str
             where = f"{cell.name}, prefix cache {cell.setting.cache}, run {i + 1}"
             if any(r.tokens != new_tokens or r.first_token is None for r in run.requests):
                 problems.append(f"{where}: a request was not timed with all its tokens")
+            if isinstance(cell.setting, Endpoint):
+                continue  # text came back, not token ids: its tokens are counted, not compared
             if expected is not None and run.outputs != expected:
                 problems.append(f"{where}: tokens differ from the dense reference")
             if run.outputs != first:
@@ -259,11 +288,20 @@ def table(cells: list[ServingCell]) -> str:
                     for figure in (run.ttft(50), run.ttft(99), run.tpot(50), run.tpot(99))
                 ),
                 f"{run.tokens_per_s:.1f}",
-                f"{run.busy:.0%}{'!' if cell.flagged else ' '}",
+                busy_share(cell),
                 f"{run.prefix_reuse:.0%}",
             ]
         )
     return markdown(TITLES, rows)
+
+
+def busy_share(cell: ServingCell) -> str:
+    """The engine's busy share, ``!`` when the runs' busy times lie far apart; ``-`` for an
+    endpoint (its rounds cannot be seen from the client; ``!`` then compares durations)."""
+    flag = "!" if cell.flagged else " "
+    if isinstance(cell.setting, Endpoint):
+        return f"-{flag}"
+    return f"{cell.best.busy:.0%}{flag}"
 
 
 def notes(cells: list[ServingCell], repeats: int) -> str:
@@ -276,8 +314,18 @@ def notes(cells: list[ServingCell], repeats: int) -> str:
             "tokens/s: output tokens / (first arrival to last token); busy: the share of that "
             "time the engine was working; prefix reuse: prompt tokens the prefix cache served.",
             *flagged_note(cells, "busy times"),
+            *endpoint_note(cells),
         ]
     )
+
+
+def endpoint_note(cells: list[ServingCell]) -> list[str]:
+    if not any(isinstance(cell.setting, Endpoint) for cell in cells):
+        return []
+    return [
+        "(HTTP): the same requests sent to a server, timed by the client (sent, first text, "
+        "last text; the tokens from its usage); its rows rank runs by their duration."
+    ]
 
 
 def save(options, cfg, workload: ServingWorkload, cells: list[ServingCell], same: bool) -> str:
@@ -292,10 +340,8 @@ def save(options, cfg, workload: ServingWorkload, cells: list[ServingCell], same
         "arrivals": workload.arrival_times(),
         "cells": [
             {
-                "step": cell.setting.step,
+                **cell_setting(cell.setting),
                 "name": cell.name,
-                "prefix_cache": cell.setting.prefix_cache,
-                "max_running": cell.setting.max_running,
                 "best_run": cell.runs.index(cell.best),
                 "spread": cell.spread,
                 "runs": [run.to_json() for run in cell.runs],
@@ -306,10 +352,18 @@ def save(options, cfg, workload: ServingWorkload, cells: list[ServingCell], same
     return write_json(options.out, "serving.json", data)
 
 
+def cell_setting(setting: Setting | Endpoint) -> dict[str, object]:
+    if isinstance(setting, Endpoint):
+        return {"endpoint": setting.url}
+    return {k: getattr(setting, k) for k in ("step", "prefix_cache", "max_running")}
+
+
 def run(options: BenchOptions, progress: Progress) -> int:
     """Every cell, the table, ``serving.json``; 0 when every cell's tokens equal the dense
     reference's (or each other's, with --no-reference)."""
     workload = workload_of(options)
+    if options.endpoint is not None:
+        check_reachable(options.endpoint)
     cfg, weights = load_workload_model(options, workload, progress)
     print(
         f"serving: {workload.describe()}\nmodel {options.model} ({plural(cfg.num_layers, 'layer')}"
@@ -327,6 +381,8 @@ def run(options: BenchOptions, progress: Progress) -> int:
     print(notes(cells, options.repeats))
     problems = check_cells(cells, workload.max_new_tokens, expected)
     against = "each other" if expected is None else "the dense reference and each other"
+    if options.endpoint is not None:
+        against += " (over HTTP: every request's count of tokens)"
     print("\n".join(problems) or f"  every request's tokens equal {against}")
     print(f"results: {save(options, cfg, workload, cells, not problems)}")
     return 1 if problems else 0
