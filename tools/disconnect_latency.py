@@ -1,30 +1,34 @@
 """How long a client's disconnect takes to reach the engine of ``python -m <step>.serve``, while
 other streams keep it busy.
 
-The server runs in its own process, as it does for a user, with one change made from outside:
-its step's ``PagedPrefixCacheEngine.abort`` is wrapped to print the moment it is called. This
-script is the client. It keeps ``--streams`` long answers streaming (the load), then, once per
-trial, opens one more stream, reads two events, hangs up, and notes the moment; the gap to the
-server's next abort is the latency. Both moments are ``time.perf_counter()``, the system's
-monotonic clock on Linux, the same in both processes.
+The server runs as a user runs it, in its own process, and its engine in a process of its own
+(or on a thread, with ``-- --engine-in-thread``), with one change made from outside: a
+``sitecustomize`` module, which every Python process started with it on its path imports first,
+wraps the step's ``PagedPrefixCacheEngine.abort`` to print the moment it is called. This script
+is the client. It keeps ``--streams`` long answers streaming (the load), then, once per trial,
+opens one more stream, reads two events, hangs up, and notes the moment; the gap to the
+engine's next abort is the latency. Both moments are ``time.perf_counter()``, the system's
+monotonic clock on Linux, the same in every process.
 
     python tools/disconnect_latency.py --model DIR [--step step14_7] [--streams 16]
         [--trials 20] [-- any flag of the server]
 
-The disconnect travels: the socket closes, the event loop reads the end of the connection
-(when the engine thread lets it have the GIL), Starlette cancels the stream, the abort is
-queued, and the engine thread takes it at its next pause between rounds. So the latency is at
-most about a round, plus whatever the event loop waited for the GIL.
+The disconnect travels: the socket closes, the event loop reads the end of the connection,
+Starlette cancels the stream, the abort is sent, and the engine takes it at its next pause
+between rounds. So the latency is at most about a round, plus the event loop's delay (with the
+engine on a thread, the event loop waits for Python's GIL too).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import queue
 import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -35,25 +39,30 @@ ROOT = Path(__file__).resolve().parent.parent
 HOOK = """
 import sys, time
 from common.front.steps import load_step
-step = load_step({step!r})
-real_abort = step.PagedPrefixCacheEngine.abort
+engine_class = load_step({step!r}).PagedPrefixCacheEngine
+real_abort = engine_class.abort
 def abort(self, request_id):
     print(f"abort {{time.perf_counter()!r}}", file=sys.stderr, flush=True)
     return real_abort(self, request_id)
-step.PagedPrefixCacheEngine.abort = abort
-from common.front.serve import cli
-sys.exit(cli.main({step!r}, {argv!r}))
+engine_class.abort = abort
 """
 LONG = 1000  # max_tokens of the stream that hangs up: it would outlive the measurement
 
 
-def start_server(step: str, argv: list[str]) -> tuple[subprocess.Popen, str, queue.Queue]:
+def start_server(
+    step: str, argv: list[str], hook_dir: Path
+) -> tuple[subprocess.Popen, str, queue.Queue]:
     """The server, its URL, and a queue of the moments its engine aborted a request."""
-    code = HOOK.format(step=step, argv=[*argv, "--port", "0"])
+    (hook_dir / "sitecustomize.py").write_text(HOOK.format(step=step))
+    path = os.pathsep.join([str(hook_dir), str(ROOT), os.environ.get("PYTHONPATH", "")])
     server = subprocess.Popen(
-        [sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [sys.executable, "-m", f"{step}.serve", *argv, "--port", "0"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-    )  # fmt: skip
+        env={**os.environ, "PYTHONPATH": path},
+    )
     for line in server.stdout:  # type: ignore[union-attr]
         match = re.search(r"serving on (http://\S+)", line)
         if match:
@@ -110,7 +119,14 @@ def main() -> int:
     p.add_argument("server_flags", nargs="*", help="after --: flags for the server")
     args = p.parse_args()
     argv = ["--model", args.model, "--max-running", str(args.streams + 1), *args.server_flags]
-    server, url, aborts = start_server(args.step, argv)
+    with tempfile.TemporaryDirectory() as hook_dir:
+        server, url, aborts = start_server(args.step, argv, Path(hook_dir))
+        return measure(args, server, url, aborts)
+
+
+def measure(
+    args: argparse.Namespace, server: subprocess.Popen, url: str, aborts: queue.Queue
+) -> int:
     stop = threading.Event()
     load = [
         threading.Thread(target=keep_streaming, args=(url, args.max_tokens, stop), daemon=True)

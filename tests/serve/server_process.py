@@ -108,3 +108,13 @@ def sse_events(lines: Iterator[str]) -> Iterator[Any]:
         if data == "[DONE]":
             return
         yield json.loads(data)
+
+
+def tiny_engine(step_name: str) -> Any:
+    """A step's engine on the test model (``tests.helpers.TINY``): what an engine process
+    builds, from a name (a function of a module: it pickles)."""
+    from common.front.steps import load_step
+    from tests.helpers import TINY
+
+    step = load_step(step_name)
+    return step.PagedPrefixCacheEngine(step.TinyTransformerPaged(TINY))

@@ -38,7 +38,7 @@ def failing_app(chat_checkpoint: Path) -> Iterator[TestClient]:
 
     engine.step = failing_step
     served = ServedModel("toy", TextCodec.load(chat_checkpoint), 2048, {"temperature": 1.0})
-    llm = AsyncLLM(engine)
+    llm = AsyncLLM.in_thread(engine)
     app = build_app(llm, OpenAIServing(llm, served), Metrics("toy", model.cfg.total_blocks))
     with TestClient(app) as client:
         yield client

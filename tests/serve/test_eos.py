@@ -47,7 +47,7 @@ def with_eos(chat_checkpoint: Path) -> Iterator[WithEos]:
     eos = next(t for i, t in enumerate(free) if i >= 3 and t not in free[:i])
     codec = TextCodec(codec.tokenizer, codec.template, [eos])
     served = ServedModel("toy", codec, model.cfg.max_model_len, {"temperature": 1.0})
-    llm = AsyncLLM(engine)
+    llm = AsyncLLM.in_thread(engine)
     app = build_app(llm, OpenAIServing(llm, served), Metrics("toy", model.cfg.total_blocks))
     with TestClient(app) as client:
         yield WithEos(client, free, free.index(eos), codec)

@@ -55,7 +55,7 @@ def build_app(
     @app.get("/health")
     async def health() -> Response:
         if llm.dead is not None:
-            return error_response(OpenAIError(503, f"the engine failed: {llm.dead!r}"))
+            return error_response(OpenAIError(503, f"the engine failed: {llm.dead}"))
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -64,7 +64,7 @@ def build_app(
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
-        if not await llm.call(llm.engine.reset_prefix_cache):
+        if not await llm.call("reset_prefix_cache"):
             raise OpenAIError(
                 409,
                 "requests are running: the prefix cache is reset only when none is (their "

@@ -4,46 +4,49 @@ Every other front end builds an engine, serves one batch and drops it: the prefi
 cold each time. A server keeps one engine, so a system prompt or a conversation's history
 computed for one request is adopted by every later one.
 
-The engine is not thread-safe and its rounds are blocking model calls, so it gets a thread of
-its own, and everything else talks to that thread through a queue of calls:
+The engine runs in an ``EngineCore`` loop (``engine_core.py``): on a thread of this process
+(``in_thread``) or in a process of its own (``in_process``, what the server uses). Either way
+this side only sends messages and reads what comes back:
 
-- the **engine thread** runs ``step()`` while there is work and sleeps on the queue while
-  there is none; between two rounds it runs the calls that came in (add a request, abort one,
-  reset the cache). The engine is only ever touched from this thread, so nothing needs a lock,
-  and none is held across a model call;
-- **coroutines** (one per HTTP request, on the event loop) queue calls and await their
-  results: ``add_request`` hands back a ``RequestStream``, an async iterator of that request's
-  ``RequestOutput``s, and ``abort`` queues the abort and returns at once, so a client that goes
-  away is dropped before the next round;
-- after each round the engine thread hands the round's outputs to the event loop in one
-  callback (``loop.call_soon_threadsafe``), which files each under its stream.
-
-Both threads share Python's GIL: the event loop runs while torch's kernels run without it,
-and whenever the engine thread's Python code gives it up (every 5 ms at most). vLLM runs its
-engine core in another process, partly for that reason; docs/serving.md measures what sharing
-costs here (a disconnect reaches the engine one round later, two at worst).
-
-If ``step()`` raises, the engine is left as the exception found it, so it is not trusted again:
-every request in flight gets the error, and later calls get ``EngineDeadError`` (vLLM's name).
+- ``add_request`` (from any coroutine) checks the request with the core's own rules, so that a
+  bad one is refused at once and the engine is left untouched, sends it, and hands back a
+  ``RequestStream``: an async iterator of that request's ``RequestOutput``s;
+- ``abort`` sends the abort and returns at once: a client that goes away is dropped at the next
+  pause between rounds, and its stream ends with ``finish_reason="abort"``;
+- each round's outputs come back in one message, filed on the event loop under their streams;
+  ``on_round`` sees them too (the server's metrics);
+- if the engine raises, every request in flight gets ``EngineDeadError`` (vLLM's name), and so
+  does every later call: the engine is left as the exception found it, and is not trusted again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
-import threading
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
-
+from ...config import ModelConfig
+from ...inputs import check_request
 from ...sampling import RequestOutput, SamplingParams
+from .engine_core import (
+    Abort,
+    AddRequest,
+    Call,
+    Dead,
+    ProcessCore,
+    Reply,
+    RoundOutputs,
+    Stop,
+    Stopped,
+    ThreadCore,
+)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine's ``step()`` raised: nothing more is served (restart the server)."""
+    """The engine raised: nothing more is served (restart the server)."""
 
 
 @dataclass
@@ -65,8 +68,8 @@ class RequestStream:
     ``RequestOutputCollector`` does the same).
     """
 
-    def __init__(self, arrival: float) -> None:
-        self.request_id: int | None = None  # the engine's id, once the engine thread added it
+    def __init__(self, key: int, arrival: float) -> None:
+        self.key = key  # the request's name between this side and the engine core
         self.times = RequestTimes(arrival)
         self._pending: RequestOutput | None = None
         self._error: BaseException | None = None
@@ -106,182 +109,150 @@ class RequestStream:
         return output
 
 
-# What a round hands to the event loop: each output with its stream, and the engine's figures.
+# What a round hands to the event loop: each output with its stream.
 Delivered = list[tuple[RequestStream, RequestOutput]]
 OnRound = Callable[[Any, Delivered, float], None]  # (EngineStats, delivered, now)
 
 
 class AsyncLLM:
-    """An engine of any step, served from its own thread to any number of coroutines.
+    """An engine of any step, run by an ``EngineCore``, served to any number of coroutines.
 
-    ``start()`` on the event loop, then ``add_request`` / ``abort`` / ``call`` from any
-    coroutine, and ``shutdown()`` at the end. ``on_round(stats, delivered, now)`` is called on
-    the event loop after each round (the server's metrics), with the engine's ``EngineStats``
-    after the round.
+    ``start()`` from a coroutine (it starts the core, unless ``start_core()`` already did),
+    then ``add_request`` / ``abort`` / ``call`` from any coroutine, and ``shutdown()`` at the
+    end. ``cfg`` is the engine's model config: what requests are checked against.
     """
 
-    def __init__(self, engine: Any, on_round: OnRound | None = None) -> None:
-        self.engine = engine
-        self.dead: BaseException | None = None
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        make_core: Callable[[Callable[[Any], None]], Any],
+        on_round: OnRound | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.core = make_core(self._from_core)
+        self.dead: str | None = None  # why the engine failed
         self._on_round = on_round
-        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._streams: dict[int, RequestStream] = {}  # in flight; the engine thread's alone
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._streams: dict[int, RequestStream] = {}  # in flight, by key
+        self._calls: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped: asyncio.Future | None = None  # the core's last word: its pool's problems
+        self._core_started = False
+
+    @classmethod
+    def in_thread(cls, engine: Any, on_round: OnRound | None = None) -> AsyncLLM:
+        """``engine`` run on a thread of this process (``ThreadCore``)."""
+        return cls(engine.model.cfg, lambda on_message: ThreadCore(engine, on_message), on_round)
+
+    @classmethod
+    def in_process(
+        cls, make_engine: Callable[[], Any], cfg: ModelConfig, on_round: OnRound | None = None
+    ) -> AsyncLLM:
+        """The engine ``make_engine()`` builds (with config ``cfg``), in a process of its own
+        (``ProcessCore``)."""
+        return cls(cfg, lambda on_message: ProcessCore(make_engine, on_message), on_round)
+
+    def start_core(self) -> None:
+        """Start the engine core (a process builds its engine here: ``EngineStartError``)."""
+        self.core.start()
+        self._core_started = True
 
     def start(self) -> None:
-        """Start the engine thread; from a coroutine, since outputs go to the running loop."""
+        """From a coroutine: outputs go to the running loop."""
         self._loop = asyncio.get_running_loop()
-        self._thread.start()
+        self._stopped = self._loop.create_future()  # a dead process says it before shutdown
+        if not self._core_started:
+            self.start_core()
 
     # ---- from the event loop ----------------------------------------------------------------
 
-    async def add_request(
-        self, prompt_ids: list[int], sampling_params: SamplingParams, eos_token_id: object = None
+    def add_request(
+        self, prompt_ids: list[int], sampling_params: SamplingParams, eos_token_ids: Any = None
     ) -> RequestStream:
-        """Queue a request; returns its stream once the engine took it. The engine's checks
-        run in its thread and their ``RequestError`` is raised here, the engine untouched."""
-        stream = RequestStream(time.perf_counter())
-
-        def add() -> None:
-            stream.request_id = self.engine.add_request(
-                prompt_ids, None, eos_token_id, sampling_params=sampling_params
-            )
-            self._streams[stream.request_id] = stream
-
-        try:
-            await self.call(add)
-        except asyncio.CancelledError:
-            self.abort(stream)  # queued after the add: it finds the request, if it was added
-            raise
+        """Check the request (``RequestError`` naming the field, the engine untouched), send
+        it, and return its stream."""
+        self._check_alive()
+        request = check_request(prompt_ids, None, eos_token_ids, self.cfg, sampling_params)
+        eos = None if eos_token_ids is None else tuple(eos_token_ids)
+        stream = RequestStream(next(self._ids), time.perf_counter())
+        self._streams[stream.key] = stream
+        self.core.send(AddRequest(stream.key, request.prompt_ids, sampling_params, eos))
         return stream
 
     def abort(self, stream: RequestStream) -> None:
         """Cancel the request at the next pause between rounds; returns at once. Its stream
         ends with a ``finish_reason="abort"`` output. A finished request is left alone."""
-        self._calls.put(lambda: self._abort(stream))
+        if stream.key in self._streams and self.dead is None:
+            self.core.send(Abort(stream.key))
 
     def abort_all(self) -> None:
-        """Cancel every request in flight (``shutdown`` and a server's stop signal); safe to
-        call from a signal handler (``SimpleQueue.put`` is reentrant)."""
-        self._calls.put(lambda: [self._abort(stream) for stream in list(self._streams.values())])
+        """Cancel every request in flight (a server's stop): safe from a signal handler."""
+        self.core.send(Abort(None))
 
-    async def call(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` run on the engine thread between two rounds; its result, or its exception,
-        here. For what must see the engine at rest between rounds (``reset_prefix_cache``)."""
-        if self.dead is not None:
-            raise EngineDeadError(f"the engine failed earlier: {self.dead!r}")
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-
-        def job() -> None:
-            try:
-                if self.dead is not None:  # it failed while this call waited in the queue
-                    raise EngineDeadError(f"the engine failed earlier: {self.dead!r}")
-                result = fn()
-            except BaseException as exc:  # handed to the caller, whatever it is
-                loop.call_soon_threadsafe(_settle, future, None, exc)
-            else:
-                loop.call_soon_threadsafe(_settle, future, result, None)
-
-        self._calls.put(job)
+    async def call(self, method: str) -> Any:
+        """``engine.<method>()`` (no arguments) run between two rounds; its result."""
+        self._check_alive()
+        assert self._loop is not None
+        call_id = next(self._ids)
+        self._calls[call_id] = future = self._loop.create_future()
+        self.core.send(Call(call_id, method))
         return await future
 
     async def shutdown(self) -> list[str]:
-        """Abort what is in flight, let the engine report it, stop the thread. Returns what
-        is wrong with the pool then (``ref_count_problems``: empty when every block is back,
-        free or cached)."""
+        """Abort what is in flight, let the engine report it, stop the core. Returns what is
+        wrong with the pool then (empty: every block is back, free or cached)."""
+        assert self._stopped is not None
         self.abort_all()
-        self._calls.put(self._stop)
-        await asyncio.to_thread(self._thread.join)
+        self.core.send(Stop())
+        problems = await self._stopped
+        await asyncio.to_thread(self.core.join)
+        return problems
+
+    def _check_alive(self) -> None:
         if self.dead is not None:
-            return [f"the engine failed: {self.dead!r}"]
-        return self.engine.ref_count_problems()
+            raise EngineDeadError(f"the engine failed earlier: {self.dead}")
 
-    # ---- on the engine thread ---------------------------------------------------------------
+    # ---- what comes back --------------------------------------------------------------------
 
-    def _run(self) -> None:
-        """Rounds while there is work; between rounds, the queued calls; asleep when idle."""
-        with torch.inference_mode():  # grad mode is per thread: this one needs its own
-            while True:
-                busy = self.dead is None and self.engine.has_work
-                if self._stopping and not busy:
-                    return
-                self._run_calls(wait=not busy and not self._stopping)
-                if self.dead is None and self.engine.has_work:
-                    self._round()
+    def _from_core(self, message: Any) -> None:
+        """On the core's thread (or the reader of its process): on to the event loop."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._on_message, message)
 
-    def _run_calls(self, wait: bool) -> None:
-        """Every queued call; with ``wait``, sleep until the first one comes."""
-        try:
-            job = self._calls.get(block=wait)
-            while True:
-                try:
-                    job()
-                except Exception as exc:  # an abort that broke the engine: a bug, not input
-                    self._fail_everyone(exc)
-                job = self._calls.get_nowait()
-        except queue.Empty:
-            return
+    def _on_message(self, message: Any) -> None:
+        if isinstance(message, RoundOutputs):
+            self._deliver(message)
+        elif isinstance(message, Reply):
+            _settle(self._calls.pop(message.call_id), message.value)
+        elif isinstance(message, Dead):
+            self._fail_everyone(message.reason)
+        elif isinstance(message, Stopped):
+            assert self._stopped is not None
+            _settle(self._stopped, message.problems)
 
-    def _round(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:
-            self._fail_everyone(exc)
-            return
-        delivered = []
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue  # a request added by someone else (a test driving the engine too)
+    def _deliver(self, message: RoundOutputs) -> None:
+        now, delivered = time.perf_counter(), []
+        for key, output in message.outputs:
+            stream = self._streams[key]
             if output.finished:
-                del self._streams[output.request_id]
-            delivered.append((stream, output))
-        self._hand_over(delivered, self.engine.stats)
-
-    def _hand_over(self, delivered: Delivered, stats: Any) -> None:
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._deliver, delivered, stats)
-
-    def _abort(self, stream: RequestStream) -> None:
-        if self.dead is None and self._streams.get(stream.request_id) is stream:
-            self.engine.abort(stream.request_id)  # the next step() reports it, "abort"
-
-    def _fail_everyone(self, exc: Exception) -> None:
-        """The engine raised (in ``step()``, or in an abort): every stream in flight ends with
-        the error, and no call runs again."""
-        self.dead = exc
-        failed = list(self._streams.values())
-        self._streams.clear()
-        error = EngineDeadError(f"the engine failed: {exc!r}")
-        error.__cause__ = exc
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(_fail_streams, failed, error)
-
-    def _stop(self) -> None:
-        self._stopping = True
-
-    # ---- back on the event loop -------------------------------------------------------------
-
-    def _deliver(self, delivered: Delivered, stats: Any) -> None:
-        now = time.perf_counter()
-        for stream, output in delivered:
+                del self._streams[key]
             stream.put(output, now)
+            delivered.append((stream, output))
         if self._on_round is not None:
-            self._on_round(stats, delivered, now)
+            self._on_round(message.stats, delivered, now)
+
+    def _fail_everyone(self, reason: str) -> None:
+        """Every stream in flight and every call waiting ends with the engine's failure."""
+        self.dead = reason
+        for stream in self._streams.values():
+            stream.fail(EngineDeadError(f"the engine failed: {reason}"))
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(f"the engine failed: {reason}"))
+        self._streams.clear()
+        self._calls.clear()
 
 
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if future.done():  # its caller was cancelled meanwhile
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-def _fail_streams(streams: list[RequestStream], error: BaseException) -> None:
-    for stream in streams:
-        stream.fail(error)
+def _settle(future: asyncio.Future, value: Any) -> None:
+    if not future.done():  # its caller was cancelled meanwhile
+        future.set_result(value)

@@ -15,11 +15,9 @@ import importlib.util
 import socket
 import time
 from dataclasses import dataclass
-from types import ModuleType
 
 from ...errors import MissingPackageError, UserError, end_as_interrupted, report_user_errors
 from ..cli import EngineOptions, HelpFormatter, add_engine_flags, checkpoint_folder, int_range
-from ..steps import load_step
 
 DESCRIPTION = """\
 An OpenAI-compatible server (vLLM's endpoints and metric names) over this step's engine. The
@@ -45,6 +43,7 @@ class ServeOptions:
     api_key: str | None
     served_model_name: str | None
     engine: EngineOptions
+    engine_in_thread: bool = False  # vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0
 
 
 def parse_args(step_name: str, argv: list[str] | None) -> ServeOptions:
@@ -76,6 +75,13 @@ def parse_args(step_name: str, argv: list[str] | None) -> ServeOptions:
         help="the model's name in the API (None: the --model argument)",
     )
     add_engine_flags(p)
+    p.add_argument(
+        "--engine-in-thread",
+        action="store_true",
+        help="run the engine on a thread of the server's process, not in a process of its own "
+        "(vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0): one process, but the engine shares Python's "
+        "GIL with the HTTP side, slower under load (docs/serving.md)",
+    )
     args = p.parse_args(argv)
     return ServeOptions(
         args.model,
@@ -84,6 +90,7 @@ def parse_args(step_name: str, argv: list[str] | None) -> ServeOptions:
         args.api_key,
         args.served_model_name,
         EngineOptions.from_args(args),
+        args.engine_in_thread,
     )
 
 
@@ -92,25 +99,21 @@ def main(step_name: str, argv: list[str] | None = None) -> int:
     line and status 1."""
     options = parse_args(step_name, argv)
     prog = f"python -m {step_name}.serve"
-    return report_user_errors(prog, lambda: serve(load_step(step_name), options, prog))
+    return report_user_errors(prog, lambda: serve(step_name, options, prog))
 
 
-def serve(step: ModuleType, options: ServeOptions, prog: str) -> int:
-    """Check, bind, load, serve until stopped."""
+def serve(step_name: str, options: ServeOptions, prog: str) -> int:
+    """Check, bind, start the engine, serve until stopped."""
     require_packages()
-    from .launch import build_server, load_served_model  # needs the packages
+    from .launch import build_server, load_served_model, start_engine  # needs the packages
 
     listener = bind(options.host, options.port)
     served, cfg = load_served_model(options)
-    options.engine.set_threads()
     start = time.perf_counter()
-    model = step.TinyTransformerPaged.from_pretrained(options.model, config=cfg)
-    engine = step.PagedPrefixCacheEngine(
-        model, max_running=options.engine.max_running, seed=options.engine.seed
-    )
+    llm, metrics = start_engine(step_name, served, cfg, options)
     print(f"{prog}: {served.name!r} loaded in {time.perf_counter() - start:.1f} s", flush=True)
     try:
-        build_server(engine, served, options, prog).run(sockets=[listener])
+        build_server(llm, metrics, served, options, prog).run(sockets=[listener])
     except KeyboardInterrupt:  # uvicorn raises again the Ctrl-C it stopped on, once stopped
         return end_as_interrupted()  # its line is said: end by SIGINT, as Ctrl-C ends a program
     return 0

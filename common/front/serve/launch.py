@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -25,6 +26,8 @@ from ...config import ModelConfig
 from ...errors import CheckpointError, RequestError, UserError
 from ...inputs import check_fits_pool
 from ...sampling import SamplingParams
+from ..cli import EngineOptions
+from ..steps import load_step
 from ..text import TextCodec, long_context_warning
 from .api_server import build_app
 from .async_llm import AsyncLLM
@@ -116,9 +119,43 @@ class EngineServer(uvicorn.Server):
         print(f"{self.prog}: stopped by {self.stopped_by or 'request'}; {pool}", file=sys.stderr)
 
 
-def build_server(engine: Any, served: ServedModel, options: ServeOptions, prog: str) -> Any:
-    metrics = Metrics(served.name, engine.model.cfg.total_blocks)
-    llm = AsyncLLM(engine, on_round=metrics.record)
+@dataclass(frozen=True)
+class EngineFactory:
+    """What builds the engine where it runs (in the engine process: picklable, so plain
+    fields): the step, the checkpoint and its config, the engine's options."""
+
+    step_name: str
+    folder: Path
+    cfg: ModelConfig
+    engine: EngineOptions
+
+    def __call__(self) -> Any:
+        self.engine.set_threads()
+        step = load_step(self.step_name)
+        model = step.TinyTransformerPaged.from_pretrained(self.folder, config=self.cfg)
+        return step.PagedPrefixCacheEngine(
+            model, max_running=self.engine.max_running, seed=self.engine.seed
+        )
+
+
+def start_engine(
+    step_name: str, served: ServedModel, cfg: ModelConfig, options: ServeOptions
+) -> tuple[AsyncLLM, Metrics]:
+    """The engine, built and running (in a process of its own, unless
+    ``--engine-in-thread``), and the metrics it feeds."""
+    metrics = Metrics(served.name, cfg.total_blocks)
+    make_engine = EngineFactory(step_name, checkpoint_dir(options.model), cfg, options.engine)
+    if options.engine_in_thread:
+        llm = AsyncLLM.in_thread(make_engine(), on_round=metrics.record)
+    else:
+        llm = AsyncLLM.in_process(make_engine, cfg, on_round=metrics.record)
+    llm.start_core()
+    return llm, metrics
+
+
+def build_server(
+    llm: AsyncLLM, metrics: Metrics, served: ServedModel, options: ServeOptions, prog: str
+) -> EngineServer:
     app = build_app(llm, OpenAIServing(llm, served), metrics, options.api_key)
     config = uvicorn.Config(
         app, log_level="warning", access_log=False, timeout_graceful_shutdown=STOP_GRACE_S

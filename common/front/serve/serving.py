@@ -158,7 +158,7 @@ class OpenAIServing:
         params = self.sampling_params(request, prompt, chat)
         eos = None if request.ignore_eos else self.model.codec.eos_token_ids
         try:
-            stream = await self.llm.add_request(prompt.ids, params, eos)
+            stream = self.llm.add_request(prompt.ids, params, eos)
         except RequestError as exc:
             raise openai_error(exc, prompt.field) from None
         answer = Answer(self.model, protocol.new_id("chatcmpl" if chat else "cmpl"), chat, prompt)
