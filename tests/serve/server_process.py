@@ -85,6 +85,35 @@ class ServerProcess:
             self.process.kill()
             self.process.communicate()
 
+    def children(self) -> list[int]:
+        """The ids of the processes it started (its engine's), read from Linux's /proc."""
+        return [pid for pid in all_pids() if parent_of(pid) == self.process.pid]
+
+
+def all_pids() -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command's name (state, parent, ...); None
+    when there is no such process."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return text.rpartition(")")[2].split()
+
+
+def parent_of(pid: int) -> int | None:
+    fields = stat_fields(pid)
+    return None if fields is None else int(fields[1])
+
+
+def is_running(pid: int) -> bool:
+    """The process exists and has not ended (an ended one nobody reaped is a zombie, Z)."""
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
+
 
 # ---- reading what a server says --------------------------------------------------------------
 

@@ -6,14 +6,19 @@
 - by default it listens on 127.0.0.1 and names the model by its ``--model`` argument;
 - Ctrl-C (SIGINT) or SIGTERM stops it with one line, even with an answer streaming: the answer
   ends (``finish_reason`` "abort", then ``[DONE]``), every block is back in the pool, and the
-  process ends by the signal, as a program the signal stopped does.
+  process ends by the signal, as a program the signal stopped does;
+- a server killed outright (SIGKILL: no chance to stop anything) leaves no engine process
+  behind, idle or busy: the engine's process sees its pipes close and ends within seconds.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
+import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -23,7 +28,7 @@ from common.errors import CheckpointError
 from common.front.serve import cli as serve_cli
 from common.front.serve.launch import sampling_defaults
 from tests.helpers import STEP_NAMES, usage_error
-from tests.serve.server_process import ENGINE_FLAGS, ServerProcess, sse_events
+from tests.serve.server_process import ENGINE_FLAGS, ServerProcess, is_running, sse_events
 
 LAST = STEP_NAMES[-1]
 
@@ -143,3 +148,28 @@ def test_a_signal_stops_it_with_one_line(
     assert err.splitlines() == [
         f"python -m {step_name}.serve: stopped by {sig.name}; every block is back in the pool"
     ]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
+def test_a_killed_server_leaves_no_engine_process_behind(busy: bool, chat_checkpoint: Path) -> None:
+    server = ServerProcess(LAST, chat_checkpoint, *ENGINE_FLAGS)
+    engine_processes = server.children()
+    try:
+        assert engine_processes, "the engine runs in a process of its own"
+        if busy:
+            body = {"prompt": "The cat", "max_tokens": 1500, "stream": True}
+            with httpx.stream("POST", server.url + "/v1/completions", json=body) as answer:
+                next(sse_events(answer.iter_lines()))
+                server.process.kill()
+        else:
+            server.process.kill()
+        server.process.wait()
+        deadline = time.monotonic() + 10
+        while any(map(is_running, engine_processes)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(is_running, engine_processes)), "an engine outlived its server"
+    finally:
+        for pid in filter(is_running, engine_processes):  # so that a failure leaves none
+            os.kill(pid, signal.SIGKILL)
+        server.kill()

@@ -21,6 +21,7 @@ caller, so that a bad one is refused at once, and an add never fails in the loop
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import queue
 import signal
@@ -122,6 +123,8 @@ class EngineCore:
                     if self.engine.has_work:
                         send(self.round())
                 problems = self.engine.ref_count_problems()
+            except PipeClosed:
+                raise  # the server is gone: not the engine's failure, and nobody to tell
             except Exception as exc:
                 reason = f"{type(exc).__name__}: {exc}"
                 send(Dead(reason))
@@ -188,10 +191,15 @@ def queue_receiver(inbox: queue.SimpleQueue) -> Receive:
     return receive
 
 
+class PipeClosed(Exception):
+    """The other end of a pipe is gone (its process ended, or closed it): nobody is left to
+    talk to."""
+
+
 def pipe_receiver(pipe: Connection, alive: Callable[[], bool]) -> Receive:
     """``receive`` from a pipe; a blocking wait wakes every second to ask whether the other
-    end is still ``alive``. A pipe closed at the other end, or a dead sender, reads as
-    ``Stop``."""
+    end is still ``alive``. A pipe closed at the other end, or a dead sender, raises
+    ``PipeClosed``."""
 
     def receive(block: bool) -> Any:
         while True:
@@ -199,11 +207,11 @@ def pipe_receiver(pipe: Connection, alive: Callable[[], bool]) -> Receive:
                 if pipe.poll(1.0 if block else 0):
                     return pipe.recv()
             except (EOFError, OSError):
-                return Stop()
+                raise PipeClosed from None
             if not block:
                 return None
             if not alive():
-                return Stop()
+                raise PipeClosed
 
     return receive
 
@@ -259,7 +267,10 @@ class ProcessCore:
         self.process.start()
         for end in self._child_ends:
             end.close()  # the child holds them now: its death closes the pipes
-        first = self.receive(True)
+        try:
+            first = self.receive(True)
+        except PipeClosed:
+            first = None
         if not isinstance(first, Ready):
             self.process.join()
             reason = first.reason if isinstance(first, Dead) else "it ended"
@@ -285,10 +296,14 @@ class ProcessCore:
     def _read(self) -> None:
         """Every message out, handed on, until ``Stopped``; ``Dead`` then ``Stopped`` if the
         process ends without it (killed, out of memory)."""
-        while not isinstance(message := self.receive(True), Stop):
-            self.on_message(message)
-            if isinstance(message, Stopped):
-                return
+        try:
+            while True:
+                message = self.receive(True)
+                self.on_message(message)
+                if isinstance(message, Stopped):
+                    return
+        except PipeClosed:
+            pass
         self.on_message(Dead(f"the engine process ended (exit code {self.process.exitcode})"))
         self.on_message(Stopped(["the engine process ended"]))
 
@@ -310,8 +325,9 @@ class EngineStartError(UserError):
 
 def run_process(make_engine: Callable[[], Any], inbox: Connection, outbox: Connection) -> None:
     """The engine process. Ctrl-C and SIGTERM are the server's to handle: it aborts what is
-    in flight and sends ``Stop``. A server that dies without one ends the loop too (the
-    receiver's ``Stop``)."""
+    in flight and sends ``Stop``. A server that dies without one (killed) closes its ends of
+    the pipes: this process then ends at once, at the next message it reads or sends (a
+    second at most while idle), with what it held; no orphan is left running."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
@@ -321,4 +337,12 @@ def run_process(make_engine: Callable[[], Any], inbox: Connection, outbox: Conne
         return
     parent = multiprocessing.parent_process()
     alive = parent.is_alive if parent is not None else (lambda: True)
-    EngineCore(engine).run(pipe_receiver(inbox, alive), outbox.send)
+
+    def send(message: Any) -> None:
+        try:
+            outbox.send(message)
+        except OSError:  # BrokenPipeError: the server is gone
+            raise PipeClosed from None
+
+    with contextlib.suppress(PipeClosed):
+        EngineCore(engine).run(pipe_receiver(inbox, alive), send)
