@@ -38,7 +38,7 @@ logger = logging.getLogger("serve")
 def build_app(
     llm: AsyncLLM, serving: OpenAIServing, metrics: Metrics, api_key: str | None = None
 ) -> FastAPI:
-    """The app; it starts the engine thread when it starts and stops it when it stops, and
+    """The app; it starts the engine core when it starts and stops it when it stops, and
     keeps what the stop found wrong with the pool in ``app.state.pool_problems``."""
 
     @asynccontextmanager

@@ -9,11 +9,12 @@ and none is held across a model call.
 
 - ``ThreadCore``: a thread; messages go through a ``queue.SimpleQueue``. The engine thread and
   the server's event loop share Python's GIL: every burst of Python on the event loop (an
-  HTTP request parsed, a round's events written) holds a round up (docs/serving.md measures
-  it: about 20% of a round with 16 streams).
+  HTTP request parsed, a round's events written) holds a round up. With 16 streams at once
+  the server then gave 64-69% of the in-process throughput (docs/benchmarks.md, "step14_7
+  over HTTP").
 - ``ProcessCore``: a process of its own (vLLM's ``EngineCoreProc``, its default): messages
-  are pickled through ``multiprocessing`` queues, and the event loop runs beside the rounds on
-  another core. The server uses it.
+  are pickled through two ``multiprocessing`` pipes, and the event loop runs beside the
+  rounds on another core: 74-83% there. The server uses it.
 
 Requests are checked (``check_request``, the core's own rules) before they are sent, by the
 caller, so that a bad one is refused at once, and an add never fails in the loop.
