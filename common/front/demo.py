@@ -18,7 +18,7 @@ import torch
 
 from ..config import PRESETS, ModelConfig, preset
 from ..device import synchronize
-from ..errors import RequestError, report_user_errors
+from ..errors import RequestError
 from ..inputs import blocks_for_request, check_fits_pool
 from ..memory import check_memory
 from ..reference import ReferenceModel, reference_generate
@@ -254,10 +254,6 @@ def run(step_name: str, options: DemoOptions) -> int:
     """The demo: its rounds, its checks, and the trace when asked. Its exit status is its
     checks' (1 when one fails); a pool the machine cannot hold is one ``error:`` line."""
     options.engine.set_threads()
-    return report_user_errors(f"python -m {step_name}.run", lambda: run_demo(step_name, options))
-
-
-def run_demo(step_name: str, options: DemoOptions) -> int:
     step, cfg = load_step(step_name), options.config()
     check_memory(cfg)  # before the banner: a pool the machine cannot hold is the only line
     prompts = demo_prompts(cfg.vocab_size, cfg.block_size)

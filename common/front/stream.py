@@ -6,7 +6,7 @@ Chinese character or an emoji into two to four tokens of one byte each, and a Se
 tokenizer falls back to byte tokens for what its vocabulary lacks. Decoding one token at a time
 would print half a character as U+FFFD, the replacement character, and the streamed text would
 not be the answer. So the detokenizer decodes all the ids so far, exactly as the final answer is
-decoded (``text_decoder``), and hands out only the text that extends what it already handed
+decoded (``chat.text_decoder``), and hands out only the text that extends what it already handed
 out, holding it back while it ends in U+FFFD (a character still missing its last bytes). The
 pieces therefore add up to the final text, character for character.
 
@@ -26,32 +26,15 @@ pieces provably add up to the final text.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import TextIO
 
 from ..sampling import RequestOutput
-from .chat import Prompt
+from .chat import Decode, Prompt
 from .cli import plural
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) a character
-
-Decode = Callable[[list[int]], str]
-
-
-def text_decoder(tokenizer: Any) -> Decode:
-    """How every answer becomes text, streamed or not: special tokens (BOS, eos, chat markup)
-    skipped, and spaces left as the tokenizer's decoder writes them.
-
-    A ``tokenizers.Tokenizer`` (what ``tokenizer.json`` loads into) never rewrites spaces; a
-    transformers tokenizer may (``clean_up_tokenization_spaces`` turns "a ." into "a."), which
-    would change text already printed, so it is told not to.
-    """
-    if hasattr(tokenizer, "convert_ids_to_tokens"):  # a transformers tokenizer
-        return lambda ids: tokenizer.decode(
-            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
 class IncrementalDetokenizer:
