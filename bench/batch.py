@@ -23,6 +23,10 @@ from .models import StepModel
 from .progress import Progress
 
 Row = Cell[str, "RunResult"]  # a row: its name, what it fixed, its runs
+# The engine's counters a row keeps, under ``EngineStats``' names.
+COUNTERS = ("requests", "requests_hit", "prompt_tokens", "cached_tokens", "blocks_peak")
+COUNTERS += ("computed_prefill_tokens", "computed_decode_tokens", "rounds", "seqs_scheduled")
+COUNTERS += ("preemptions",)
 
 
 class Batch(Protocol):
@@ -117,22 +121,9 @@ class BatchRunner:
         self.live = None
         work.sampled = sum(len(ids) for ids in outputs)
         s = engine.stats
-        return RunResult(
-            outputs,
-            seconds,
-            requests=s.requests,
-            requests_hit=s.requests_hit,
-            prompt_tokens=s.prompt_tokens,
-            cached_tokens=s.cached_tokens,
-            computed_prefill_tokens=s.computed_prefill_tokens,
-            computed_decode_tokens=s.computed_decode_tokens,
-            blocks_peak=s.blocks_peak,
-            kv_peak_bytes=s.blocks_peak * kv_bytes_per_block(cfg),
-            flops=model_flops(cfg, work),
-            rounds=s.rounds,
-            seqs_scheduled=s.seqs_scheduled,
-            preemptions=s.preemptions,
-        )
+        kv_peak_bytes, flops = s.blocks_peak * kv_bytes_per_block(cfg), model_flops(cfg, work)
+        counters = {name: getattr(s, name) for name in COUNTERS}
+        return RunResult(outputs, seconds, **counters, kv_peak_bytes=kv_peak_bytes, flops=flops)
 
     def run(
         self,

@@ -34,11 +34,6 @@ def _changes(options: BenchOptions, total_blocks: int) -> dict[str, object]:
     }
 
 
-def dtype_name(cfg: ModelConfig) -> str:
-    """``float32``, ``bfloat16``...: the config's dtype under the name ``--dtype`` takes."""
-    return str(cfg.dtype).removeprefix("torch.")
-
-
 def model_config(options: BenchOptions, total_blocks: int) -> ModelConfig:
     """The model's config with a pool of ``total_blocks``: a preset's, or a checkpoint's
     ``config.json`` (no weight is read)."""

@@ -39,3 +39,12 @@ class Reference:
             reference_generate(self.model, [prompt], max_new_tokens, stop)[0]
             for prompt, stop in zip(prompts, eos, strict=True)
         ]
+
+
+def reference_tokens(options, progress, cfg: ModelConfig, weights, workload) -> list | None:
+    """The reference's tokens for ``workload``'s prompts, or None with ``--no-reference``."""
+    if options.no_reference:
+        return None
+    with progress.task("dense reference"):
+        prompts = workload.prompts(cfg.vocab_size)
+        return Reference(cfg, weights).tokens(prompts, workload.max_new_tokens)

@@ -23,14 +23,13 @@ from common.memory import gib, kv_bytes_per_block, kv_pool_bytes
 from . import charts
 from .batch import BatchRunner, Row, RunResult, measure
 from .cells import SPREAD_FLAG, flagged_note, markdown
-from .costs import MATMUL_N, Floor, dense_kv_bytes, floor_work, matmul_gflops, model_flops
-from .models import dtype_name, load_step_model, load_workload_model
+from .costs import MATMUL_N, MIB, Floor, dense_kv_bytes, floor_work, matmul_gflops, model_flops
+from .models import load_step_model, load_workload_model
 from .options import BenchOptions
 from .progress import Progress
 from .reference import Reference
 from .saved import saved_run_head, write_json
 
-MIB = 2**20
 SLOW_REFERENCE_S = 10.0  # a reference check slower than this gets a hint to skip it
 
 
@@ -42,7 +41,7 @@ def header(cfg: ModelConfig, describe: str, options: BenchOptions, machine_gflop
         f"{describe}\nmodel {options.model}: d_model={cfg.d_model}, {cfg.num_layers} layers, "
         f"{cfg.num_heads} heads, vocab {cfg.vocab_size}, block_size={cfg.block_size}, "
         f"{cfg.total_blocks} blocks ({gib(kv_pool_bytes(cfg))} of KV), {cfg.device}, "
-        f"{dtype_name(cfg)}; torch {torch.__version__}, {threads}\n"
+        f"{cfg.dtype_name}; torch {torch.__version__}, {threads}\n"
         f"this machine: {machine_gflops:.1f} GFLOP/s on a {MATMUL_N}x{MATMUL_N} float32 matmul "
         "at that thread count: what arithmetic alone could reach\n"
         f"{plural(options.repeats, 'run')} per row, each through a fresh engine (a cold cache "

@@ -67,6 +67,12 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def read_optional_json(path: Path) -> dict[str, Any]:
+    """``read_json``, or {} when the checkpoint has no such file (``generation_config.json``,
+    the tokenizer's files)."""
+    return read_json(path) if path.is_file() else {}
+
+
 def checkpoint_dir(path: str | Path) -> Path:
     """``path`` as a checkpoint directory, or a CheckpointError saying what is missing."""
     folder = Path(path).expanduser()
@@ -101,18 +107,12 @@ class Checkpoint:
         """The ``ModelConfig``, with ``overrides`` (``config_from_hf``); no weight is read."""
         return config_from_hf(self.hf, **overrides)
 
-    def optional_json(self, name: str) -> dict[str, Any]:
-        """Another JSON file of the checkpoint (``generation_config.json``, ...); {} when it
-        has none."""
-        path = self.folder / name
-        return read_json(path) if path.is_file() else {}
-
     @cached_property
     def eos_token_ids(self) -> list[int]:
         """The ids that end a generation: ``generation_config.json``'s ``eos_token_id`` if it
         has one, else ``config.json``'s (either may be one id or a list; Llama 3 chat models
         list several, ``<|eot_id|>`` among them). A request stops at the first it generates."""
-        sources = {GENERATION_CONFIG_FILE: self.optional_json(GENERATION_CONFIG_FILE)}
+        sources = {GENERATION_CONFIG_FILE: read_optional_json(self.folder / GENERATION_CONFIG_FILE)}
         for name, config in {**sources, CONFIG_FILE: self.hf}.items():
             eos = config.get("eos_token_id")
             if eos is not None:

@@ -147,6 +147,11 @@ class ModelConfig:
         assert self.num_kv_heads is not None  # resolved in __post_init__
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def dtype_name(self) -> str:
+        """``float32``, ``bfloat16``...: the dtype under the name ``--dtype`` takes."""
+        return str(self.dtype).removeprefix("torch.")
+
     def kv_bytes_per_token(self, kv_heads: int | None = None) -> int:
         """K and V of one token position in every layer: what any KV cache stores per token,
         paged (``x block_size`` per block) or dense (``x positions``). Grouped-query attention

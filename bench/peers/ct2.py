@@ -24,7 +24,6 @@ from common.config import ModelConfig
 
 from ..batch import Row, RunResult
 from ..costs import dense_kv_bytes, dense_work, model_flops
-from ..models import dtype_name
 
 COMPUTE_TYPES = ("float32", "float16", "bfloat16")  # the model dtypes CTranslate2 computes in
 # CTranslate2's Llama converter drops rope_scaling's original_max_position_embeddings, and its
@@ -51,8 +50,8 @@ def available(cfg: ModelConfig) -> bool:
     why_not = None
     if importlib.util.find_spec("ctranslate2") is None:
         why_not = "pip install -e '.[peers]' to add them"
-    elif dtype_name(cfg) not in COMPUTE_TYPES:
-        why_not = f"it computes in {', '.join(COMPUTE_TYPES)}, not {dtype_name(cfg)}"
+    elif cfg.dtype_name not in COMPUTE_TYPES:
+        why_not = f"it computes in {', '.join(COMPUTE_TYPES)}, not {cfg.dtype_name}"
     elif cfg.rope_scaling and cfg.rope_scaling.original_max_position_embeddings != LLAMA3_CONTEXT:
         why_not = (
             f"its converter takes llama3 RoPE scaling to start from {LLAMA3_CONTEXT} positions, "
@@ -72,12 +71,12 @@ def load_generator(twin, cfg: ModelConfig, threads: int):
     with tempfile.TemporaryDirectory() as folder, quiet_transformers():
         source, target = Path(folder) / "hf", Path(folder) / "ct2"
         twin.save_pretrained(source)
-        convert(source, target, cfg.vocab_size, dtype_name(cfg))
+        convert(source, target, cfg.vocab_size, cfg.dtype_name)
         return ctranslate2.Generator(
             str(target),
             device=device,
             device_index=int(index or 0),
-            compute_type=dtype_name(cfg),
+            compute_type=cfg.dtype_name,
             intra_threads=threads,
             inter_threads=1,
         )

@@ -43,7 +43,7 @@ from ..latency import RequestTimes, RunFigures, Serve, TimedRequest, poisson_arr
 from ..models import StepModel, load_step_model, load_workload_model
 from ..options import BenchOptions
 from ..progress import Progress
-from ..reference import Reference
+from ..reference import reference_tokens
 from ..saved import saved_run_head, write_json
 from . import shared_prefix
 from .shared_prefix import SharedPrefix
@@ -318,11 +318,7 @@ def run(options: BenchOptions, progress: Progress) -> int:
         f"{plural(options.repeats, 'run')}, each through a fresh engine (a cold cache)"
     )
     cells = run_cells(cfg, weights, workload, options, progress)
-    expected = None
-    if not options.no_reference:
-        with progress.task("dense reference"):
-            prompts = workload.prompts(cfg.vocab_size)
-            expected = Reference(cfg, weights).tokens(prompts, workload.max_new_tokens)
+    expected = reference_tokens(options, progress, cfg, weights, workload)
     print(table(cells))
     print(notes(cells, options.repeats))
     problems = check_cells(cells, workload.max_new_tokens, expected)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.front.workload import bench_prompts
+from common.front.workload import shared_prefix_prompts
 from common.numbers import cdiv
 
 from ..batch import BatchRunner, Row
@@ -58,7 +58,7 @@ class SharedPrefix:
         """The requests' prompts (``count`` of them: the first ones are the same whatever the
         count, since the prefix is drawn first, then one tail per request)."""
         n = count or self.num_requests
-        return bench_prompts(n, self.prefix_len, self.tail_len, vocab_size, self.seed)
+        return shared_prefix_prompts(n, self.prefix_len, self.tail_len, vocab_size, self.seed)
 
     def prompt_lengths(self) -> list[int]:
         return [self.prefix_len + self.tail_len] * self.num_requests

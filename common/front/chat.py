@@ -26,7 +26,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import Checkpoint
+from ..checkpoint import Checkpoint, read_optional_json
 from ..errors import CheckpointError, MissingPackageError, RequestError, UserError
 from .cli import plural
 
@@ -125,7 +125,7 @@ def load_chat_template(folder: Path) -> ChatTemplate | None:
     transformers. The field may hold one template, or a list of named ones, of which the one
     named ``default`` is used.
     """
-    config = _read_json(folder / TOKENIZER_CONFIG_FILE)
+    config = read_optional_json(folder / TOKENIZER_CONFIG_FILE)
     if (folder / TEMPLATE_FILE).is_file():
         template, source = (folder / TEMPLATE_FILE).read_text(encoding="utf-8"), TEMPLATE_FILE
     else:
@@ -133,7 +133,7 @@ def load_chat_template(folder: Path) -> ChatTemplate | None:
     if not template:
         return None
     tokens = {
-        **special_tokens(_read_json(folder / SPECIAL_TOKENS_MAP_FILE)),
+        **special_tokens(read_optional_json(folder / SPECIAL_TOKENS_MAP_FILE)),
         **special_tokens(config),
     }
     return ChatTemplate(source, template, tokens)
@@ -166,16 +166,6 @@ def special_tokens(config: dict[str, Any]) -> dict[str, str]:
         if isinstance(value, str):
             tokens[name] = value
     return tokens
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path} is not valid JSON ({exc})") from None
-    return data if isinstance(data, dict) else {}
 
 
 Decode = Callable[[list[int]], str]  # an answer's ids to its text

@@ -271,10 +271,10 @@ def run(step_name: str, options: DemoOptions) -> int:
 
 
 def banner(step_name: str, cfg: ModelConfig, num_prompts: int, n_new: int) -> str:
-    dtype, threads = str(cfg.dtype).removeprefix("torch."), torch.get_num_threads()
+    threads = torch.get_num_threads()
     return (
         f"{step_name}: {num_prompts} requests sharing a {3 * cfg.block_size}-token prefix, "
-        f"{plural(n_new, 'new token')} each ({cfg.device}, {dtype}, "
+        f"{plural(n_new, 'new token')} each ({cfg.device}, {cfg.dtype_name}, "
         f"block_size={cfg.block_size}, {cfg.total_blocks} blocks; torch {torch.__version__}, "
         f"{plural(threads, 'thread')})\n"
     )
@@ -392,7 +392,7 @@ def print_checks(cfg: ModelConfig, rounds: DemoRounds) -> int:
     for line in problems[:10]:
         print("   ", line)
     if any(line.endswith(WARNING) for _, line in checks):
-        print(REDUCED_PRECISION_NOTE.format(dtype=str(cfg.dtype).removeprefix("torch.")))
+        print(REDUCED_PRECISION_NOTE.format(dtype=cfg.dtype_name))
     return 0 if all(ok for ok, _ in checks) else 1
 
 

@@ -297,14 +297,13 @@ def describe(cfg: ModelConfig) -> list[str]:
     heads = f"{cfg.num_heads} heads"
     if cfg.num_kv_heads != cfg.num_heads:
         heads += f" / {cfg.num_kv_heads} KV heads"
-    dtype = str(cfg.dtype).removeprefix("torch.")
     block = f"{kv_bytes_per_block(cfg) / 1024:g} KiB of K and V per block"
     if cfg.num_kv_heads != cfg.num_heads:
         full = kv_bytes_per_block(cfg, kv_heads=cfg.num_heads) / 1024
         block += f" ({full:g} KiB without grouped-query attention)"
     return [
         f"{cfg.num_layers} layers, d_model {cfg.d_model}, {heads} of {cfg.d_head}, "
-        f"vocab {cfg.vocab_size}, {dtype} on {cfg.device}",
+        f"vocab {cfg.vocab_size}, {cfg.dtype_name} on {cfg.device}",
         f"KV pool: {cfg.total_blocks} blocks x {cfg.block_size} tokens, {block}",
     ]
 

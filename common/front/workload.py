@@ -29,41 +29,6 @@ def demo_prompts(vocab_size: int, block_size: int = 16) -> list[list[int]]:
     return [prefix + _tokens(rng, 4 + i, vocab_size) for i in range(10)]
 
 
-def bench_prompts(
-    num_requests: int = 16,
-    prefix_len: int = 256,
-    tail_len: int = 32,
-    vocab_size: int = 2048,
-    seed: int = 0,
-) -> list[list[int]]:
-    """The benchmark workload: many requests behind one long shared prefix."""
-    return shared_prefix_prompts(num_requests, prefix_len, tail_len, vocab_size, seed)
-
-
-def random_shared_prefix_prompts(
-    rng: random.Random,
-    vocab_size: int,
-    max_prompts: int = 8,
-    max_groups: int = 3,
-    max_prefix: int = 40,
-    max_tail: int = 12,
-) -> list[list[int]]:
-    """A random prompt set for property tests: a few groups, each with its own shared prefix.
-
-    Tails may be empty and prefixes may be short or absent, so full-prompt hits, exact block
-    multiples, one-token prompts and prompts that are prefixes of others all turn up.
-    """
-    prefixes = [
-        _tokens(rng, rng.randint(0, max_prefix), vocab_size)
-        for _ in range(rng.randint(1, max_groups))
-    ]
-    prompts = []
-    for _ in range(rng.randint(1, max_prompts)):
-        prompt = rng.choice(prefixes) + _tokens(rng, rng.randint(0, max_tail), vocab_size)
-        prompts.append(prompt or _tokens(rng, 1, vocab_size))
-    return prompts
-
-
 # The memory-pressure workload: short answers asked with a long max_new_tokens.
 PRESSURE_PROMPT_LENS = (4, 11)  # shortest and longest prompt, in tokens
 PRESSURE_EOS_AT = (5, 12)  # the eos is the answer's own token at one of these positions
