@@ -39,11 +39,8 @@ class Batch(Protocol):
 
 @dataclass
 class RunResult:
-    """One run's tokens and time, the engine's counters, and what the run cost.
-
-    ``requests`` stays 0 for a row without a prefix cache at all (a peer); such a row fills in
-    the computed tokens, FLOPs and KV bytes from its own formulas.
-    """
+    """One run's tokens and time, the engine's counters, and what the run cost (a peer, with
+    no engine, fills in the computed tokens, FLOPs and KV bytes from its own formulas)."""
 
     outputs: list[list[int]]
     seconds: float
@@ -68,9 +65,7 @@ class RunResult:
 
 
 def serve_requests(engine, prompts: list[list[int]], workload: Batch) -> list[list[int]]:
-    """Every prompt through ``engine``, served together; each request stops at its own eos
-    when the workload has one per request (``add_request`` takes one per request, ``generate``
-    one for all)."""
+    """Every prompt through ``engine``, served together, each stopped at its own eos if any."""
     if workload.eos is None:
         return engine.generate(prompts, workload.max_new_tokens)
     ids = [
@@ -95,10 +90,9 @@ class BatchRunner:
         enable_prefix_cache: bool = True,
         earlier_prompt: list[int] | None = None,
     ):
-        """A fresh engine; with ``earlier_prompt``, after one request of it was served (so its
-        prefix is in the cache, as on a server that has seen traffic) and the counters zeroed.
-        ``blocks_peak`` keeps counting from the engine's creation: the cached prefix is memory
-        the timed requests use."""
+        """A fresh engine; with ``earlier_prompt``, after that request was served (its prefix
+        cached, as on a server that has seen traffic) and the counters zeroed (``blocks_peak``
+        still counts the cached prefix: memory the timed requests use)."""
         engine = self.model.engine(
             max_running=workload.max_running, enable_prefix_cache=enable_prefix_cache
         )
@@ -132,8 +126,7 @@ class BatchRunner:
         enable_prefix_cache: bool = True,
         earlier_prompt: list[int] | None = None,
     ) -> RunResult:
-        """A fresh engine (warmed by ``earlier_prompt`` when given, untimed), then ``prompts``
-        through it, timed."""
+        """A fresh engine (``earlier_prompt`` served first, untimed), then ``prompts``, timed."""
         engine = self.engine(workload, enable_prefix_cache, earlier_prompt)
         return self.serve(engine, prompts, workload)
 
@@ -151,13 +144,9 @@ def measure(
     live: Callable[[], str] | None = None,
     warmup: bool = False,
 ) -> Row:
-    """``repeats`` runs of one row, printed as one line when the row is done. Meanwhile a slow
-    row shows on ``progress`` (which run, ``live``'s figure, the time so far).
-
-    ``warmup``: one untimed run first. The first torch work of a process pays one-time costs
-    (thread pools, kernel selection, the allocator growing) that no later run pays, so without
-    it the first repeat of the first row measured the process, not the row.
-    """
+    """``repeats`` runs of one row, one line when done (a slow row shows on ``progress``).
+    ``warmup``: one untimed run first, since the first torch work of a process pays one-time
+    costs (thread pools, kernel selection, the allocator growing) that no later run pays."""
     row = Row(name, fixes)
     with progress.task(name) as task:
         task.live = live

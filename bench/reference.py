@@ -11,8 +11,7 @@ from common.reference import ReferenceModel, reference_generate
 
 
 class Reference:
-    """The dense, cache-free reference model on the bench's weights, built when first asked
-    for (``--no-reference`` on the shared-prefix workload never builds it)."""
+    """The dense, cache-free reference model on the bench's weights, built when first used."""
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor] | None) -> None:
         self.cfg, self.weights, self._model = cfg, weights, None

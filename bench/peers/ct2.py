@@ -23,7 +23,7 @@ from pathlib import Path
 from common.config import ModelConfig
 
 from ..batch import Row, RunResult
-from ..costs import dense_kv_bytes, dense_work, model_flops
+from ..costs import dense_figures
 
 COMPUTE_TYPES = ("float32", "float16", "bfloat16")  # the model dtypes CTranslate2 computes in
 # CTranslate2's Llama converter drops rope_scaling's original_max_position_embeddings, and its
@@ -34,8 +34,7 @@ WARM = ("CTranslate2 (warm prefix)", "the same, the static prompt's state cached
 
 
 def rows(twin, cfg: ModelConfig, prompts, workload, threads: int, timed) -> list[Row]:
-    """The cold and warm rows (each warmed up once, untimed; no warm row without a shared
-    prefix)."""
+    """The cold and warm rows, each warmed up (no warm row without a shared prefix)."""
     generator = load_generator(twin, cfg, threads)
     shared = workload.prefix_len
     made = [timed(*COLD, static_prompt_run(generator, cfg, prompts, workload, shared, False), True)]
@@ -85,12 +84,11 @@ def load_generator(twin, cfg: ModelConfig, threads: int):
 def static_prompt_run(
     generator, cfg: ModelConfig, prompts, workload, shared: int, cached: bool
 ) -> Callable[[], RunResult]:
-    """A function that generates ``max_new_tokens`` for every prompt in one batch, the first
-    ``shared`` tokens given as the static prompt (its state ``cached`` across calls or not)."""
+    """One batch of every prompt, the first ``shared`` tokens the static prompt (``cached``)."""
     static = [str(t) for t in prompts[0][:shared]] or None
     tails = [[str(t) for t in prompt[shared:]] for prompt in prompts]
     batch, prompt_len, new = len(prompts), len(prompts[0]), workload.max_new_tokens
-    work = dense_work(batch, prompt_len, new, shared, shared_cached=cached)
+    figures = dense_figures(cfg, batch, prompt_len, new, shared, shared_cached=cached)
 
     def run() -> RunResult:
         start = time.perf_counter()
@@ -102,14 +100,8 @@ def static_prompt_run(
             end_token=[],  # no end token: every answer runs to its length, as the steps'
             include_prompt_in_result=False,
         )
-        return RunResult(
-            [result.sequences_ids[0] for result in results],
-            time.perf_counter() - start,
-            computed_prefill_tokens=(0 if cached else shared) + batch * (prompt_len - shared),
-            computed_decode_tokens=batch * (new - 1),
-            kv_peak_bytes=dense_kv_bytes(cfg, batch, prompt_len, new),
-            flops=model_flops(cfg, work),
-        )
+        outputs = [result.sequences_ids[0] for result in results]
+        return RunResult(outputs, time.perf_counter() - start, **figures)
 
     return run
 
@@ -142,8 +134,7 @@ class IdVocabulary:
 
 @contextmanager
 def quiet_transformers() -> Iterator[None]:
-    """No progress bar or info line from transformers while the twin is saved and read back:
-    the bench's output is its own lines."""
+    """No progress bar or info line from transformers while the twin is saved and read."""
     from transformers.utils import logging
 
     verbosity = logging.get_verbosity()

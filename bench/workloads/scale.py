@@ -187,8 +187,7 @@ def model_clock(model: torch.nn.Module) -> Iterator[list[float]]:
 
 
 def run_once(model: StepModel, point: Point, prompts, workload: ScaleWorkload) -> ScaleRun:
-    """``prompts`` once through a fresh engine (in the cached sweep, its cache filled first,
-    untimed)."""
+    """``prompts`` once through a fresh engine (its cache filled first in the cached sweep)."""
     engine = model.engine(max_running=workload.max_running)
     if point.sweep == CACHED:
         fill_cache(model.step, engine.kv_cache_manager, point.size)
@@ -205,8 +204,7 @@ def run_once(model: StepModel, point: Point, prompts, workload: ScaleWorkload) -
 
 
 def run_sweeps(cfg, workload: ScaleWorkload, options: BenchOptions, progress: Progress) -> list:
-    """Every step at every size of both sweeps, ``--repeats`` times round, one model (and one
-    KV pool) at a time."""
+    """Every step at every size, ``--repeats`` times round, one model (and pool) at a time."""
     prompts = workload.prompts(cfg.vocab_size)
     points = [Point(REQUESTS, n, n) for n in workload.requests]
     points += [Point(CACHED, c, workload.cache_requests) for c in workload.cached]
@@ -249,14 +247,12 @@ def sweep_of(cells: list[ScaleCell], sweep: str) -> dict[str, dict[int, ScaleCel
 
 
 def growth(by_size: dict[int, ScaleCell]) -> float:
-    """A step's time per request at the largest size over the smallest: above 1, the cost
-    per request grows with the size."""
+    """A step's time per request at the largest size over the smallest."""
     return by_size[max(by_size)].best.total_ms / by_size[min(by_size)].best.total_ms
 
 
 def verdict(by_step: dict[str, dict[int, ScaleCell]]) -> str:
-    """The line under a sweep's table: the largest growth of any step, and whether that is
-    flat (at most ``FLAT``) or a cost that grows with the size."""
+    """The line under a sweep's table: the largest growth, and whether it is flat."""
     worst = max(by_step, key=lambda step: growth(by_step[step]))
     ratio = growth(by_step[worst])
     if ratio <= FLAT:
@@ -281,8 +277,7 @@ def table(sweep: str, by_step: dict[str, dict[int, ScaleCell]]) -> str:
 
 
 def run(options: BenchOptions, progress: Progress) -> int:
-    """Both sweeps, their tables, ``scale.json`` and ``scale.png``; 0 when every cell's
-    tokens equal the dense reference's and every step's stats agree."""
+    """Both sweeps, their tables, ``scale.json`` and ``scale.png``; 0 when all agree."""
     workload = workload_of(options)
     largest = max(
         workload.pool_blocks(CACHED, max(workload.cached), options.block_size),

@@ -40,20 +40,12 @@ Prompt = str | list[dict[str, str]]
 # Older jinja2 releases have sandbox escapes (transformers refuses them too).
 MIN_JINJA2 = (3, 1, 6)
 # The named special tokens a template may use, as transformers names them.
-SPECIAL_TOKEN_NAMES = (
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
-)
+SPECIAL_TOKENS = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
+SPECIAL_TOKEN_NAMES = tuple(f"{name}_token" for name in SPECIAL_TOKENS)
 
 
 class ChatTemplateError(UserError, ValueError):
-    """The template refused the conversation (e.g. a model without a system role given
-    ``--system``), or could not be compiled."""
+    """The template refused the conversation, or could not be compiled."""
 
 
 @dataclass(frozen=True)
@@ -91,12 +83,8 @@ def messages_for(prompt: str, system: str | None) -> list[dict[str, str]]:
 
 def check_messages(messages: object) -> list[dict[str, str]]:
     """A conversation as the chat template takes it (a list of ``{"role": ..., "content":
-    ...}``, strings both), or ``ValueError`` saying which message is wrong and how.
-
-    Its last message must not be the assistant's: the template then writes the header of the
-    assistant's turn, and the model would answer a turn that already has its answer. Other keys
-    of a message (``name``, ...) are passed on to the template untouched.
-    """
+    ...}``), or ``ValueError`` saying which message is wrong. The last must not be the
+    assistant's: the model would answer a turn that already has its answer."""
     shape = 'a chat message is {"role": "...", "content": "..."}'
     if not isinstance(messages, list) or not messages:
         got = "an empty list" if messages == [] else f"a {type(messages).__name__}"
@@ -119,12 +107,8 @@ def check_messages(messages: object) -> list[dict[str, str]]:
 
 
 def load_chat_template(folder: Path) -> ChatTemplate | None:
-    """The checkpoint's chat template, or None when it has none.
-
-    ``chat_template.jinja`` wins over ``tokenizer_config.json``'s ``chat_template``, as in
-    transformers. The field may hold one template, or a list of named ones, of which the one
-    named ``default`` is used.
-    """
+    """The checkpoint's chat template, or None: ``chat_template.jinja``, else
+    ``tokenizer_config.json``'s field (as in transformers; of a named list, ``default``)."""
     config = read_optional_json(folder / TOKENIZER_CONFIG_FILE)
     if (folder / TEMPLATE_FILE).is_file():
         template, source = (folder / TEMPLATE_FILE).read_text(encoding="utf-8"), TEMPLATE_FILE
@@ -172,13 +156,9 @@ Decode = Callable[[list[int]], str]  # an answer's ids to its text
 
 
 def text_decoder(tokenizer: Any) -> Decode:
-    """How every answer becomes text, streamed or not: special tokens (BOS, eos, chat markup)
-    skipped, and spaces left as the tokenizer's decoder writes them.
-
-    A ``tokenizers.Tokenizer`` (what ``tokenizer.json`` loads into) never rewrites spaces; a
-    transformers tokenizer may (``clean_up_tokenization_spaces`` turns "a ." into "a."), which
-    would change text already printed, so it is told not to.
-    """
+    """How every answer becomes text, streamed or not: special tokens skipped, spaces as the
+    decoder writes them (a transformers tokenizer is told not to clean them up: "a ." into "a."
+    would change text already printed)."""
     if hasattr(tokenizer, "convert_ids_to_tokens"):  # a transformers tokenizer
         return lambda ids: tokenizer.decode(
             ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
@@ -208,12 +188,8 @@ def load_tokenizer(folder: str | Path) -> Any:
 
 class TextCodec:
     """A checkpoint's text side, loaded once: its tokenizer, its chat template (None when it has
-    none, or it is not wanted) and the ids that end an answer (``eos_token_ids``).
-
-    ``encode`` turns one request, a text prompt or a conversation, into the token ids the engine
-    takes; ``decode`` turns an answer's ids back into text. ``generate_text`` encodes every
-    prompt with one; a server loads one at start and encodes each request as it comes.
-    """
+    none, or it is not wanted) and the ids that end an answer. ``encode`` turns a request (a
+    prompt or a conversation) into ids; ``decode`` turns an answer's ids back into text."""
 
     def __init__(
         self, tokenizer: Any, template: ChatTemplate | None, eos_token_ids: list[int]
@@ -225,8 +201,7 @@ class TextCodec:
 
     @classmethod
     def load(cls, model_dir: str | Path, chat_template: bool = True) -> TextCodec:
-        """The tokenizer, the chat template (unless ``chat_template`` is False) and the eos ids
-        of the checkpoint in ``model_dir``."""
+        """The text side of the checkpoint in ``model_dir``."""
         return cls.of(Checkpoint.open(model_dir), chat_template)
 
     @classmethod
@@ -236,9 +211,8 @@ class TextCodec:
         return cls(load_tokenizer(checkpoint.folder), template, checkpoint.eos_token_ids)
 
     def encode(self, prompt: Prompt, system: str | None = None) -> list[int]:
-        """One request as token ids: a conversation in the chat template; a text prompt in the
-        chat template too when there is one (behind ``system``, as a system message), else as
-        a plain completion (``completion_ids``)."""
+        """One request as token ids: in the chat template when there is one (``system`` as a
+        system message), else a plain completion."""
         if isinstance(prompt, list):
             if system is not None:
                 raise RequestError(
@@ -251,26 +225,18 @@ class TextCodec:
         return self.completion_ids(prompt, system)
 
     def completion_ids(self, text: str, system: str | None = None) -> list[int]:
-        """A plain completion: ``[bos] system`` then ``text``, or ``[bos] text``.
-
-        The system prompt is encoded on its own, with the tokenizer's special tokens (BOS), and
-        the text without them: encoding ``system + text`` as one string could merge tokens
-        across the seam differently per request, and the requests would no longer share a
-        token prefix.
-        """
+        """A plain completion, ``[bos] system`` then ``text``: the system prompt encoded on its
+        own (with BOS), the text without special tokens, since ``system + text`` as one string
+        could merge tokens across the seam differently per request (no shared prefix then)."""
         if system is None:
             return self.tokenizer.encode(text).ids
         tail = self.tokenizer.encode(text, add_special_tokens=False).ids
         return self.tokenizer.encode(system).ids + tail
 
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """A conversation in the checkpoint's chat markup, ending with the assistant's header:
-        the ids transformers' ``apply_chat_template(..., add_generation_prompt=True)`` gives.
-
-        Each conversation is tokenized whole, exactly as transformers does. Requests still
-        share the tokens of a common system part: the template writes it the same way every
-        time, and its text ends at the template's own markup before each user's text begins.
-        """
+        """A conversation in the chat markup, ending with the assistant's header: transformers'
+        ``apply_chat_template(..., add_generation_prompt=True)``, tokenized whole as it does.
+        Requests still share a common system part: its text ends at the template's markup."""
         if self.template is None:
             raise RequestError(
                 "a conversation (--messages) is written in the checkpoint's chat template, and "
@@ -297,9 +263,7 @@ class TextCodec:
         return prompt_ids
 
     def system_tokens(self, system: str | None, prompt_ids: list[list[int]]) -> int:
-        """The tokens every request shares because of ``system``: the system prompt (BOS
-        included), or the system message in the template's markup that every request begins
-        with; 0 without a system prompt."""
+        """The tokens every request shares because of ``system`` (BOS and markup included)."""
         if system is None:
             return 0
         if self.template is None:
@@ -320,9 +284,8 @@ def common_prefix_len(sequences: list[list[int]]) -> int:
 
 
 def check_prompts(prompts: object) -> list[Prompt]:
-    """``prompts`` as a list of strings or conversations (lists of chat messages); one bare
-    string is refused (it would otherwise be served as one request per character), and so is
-    an empty prompt (it asks for nothing)."""
+    """``prompts`` as a list of strings or conversations; one bare string is refused (it would
+    be served as one request per character), and so is an empty prompt."""
     if isinstance(prompts, str):
         raise RequestError(
             f"prompts must be a list of strings, got one str ({prompts[:40]!r}); "

@@ -38,14 +38,9 @@ REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet
 
 
 class IncrementalDetokenizer:
-    """One request's text, handed out piece by piece as its token ids grow.
-
-    ``update(ids)`` takes all the ids so far and returns the text they add to what was already
-    handed out: "" while the text ends in the middle of a character (U+FFFD last) or, should a
-    decoder ever rewrite earlier text, until the text extends what was handed out again.
-    ``finish(ids)`` returns the rest, the end included (a U+FFFD that no later token completes
-    is what the final answer shows too).
-    """
+    """One request's text, handed out piece by piece as its token ids grow: ``update(ids)``
+    the text all the ids so far add, ``finish(ids)`` the rest, the end included (a U+FFFD
+    that no later token completes is what the final answer shows too)."""
 
     def __init__(self, decode: Decode) -> None:
         self._decode = decode
@@ -80,9 +75,7 @@ ECHO_EDGE = 60  # a long prompt is echoed as its first and last ECHO_EDGE charac
 
 
 def shorten(text: str, edge: int = ECHO_EDGE) -> str:
-    """``text`` on one line, and, when long, cut in the middle: the first and the last
-    ``edge`` characters around "… (N chars) …", so that a long prompt does not bury the
-    answers."""
+    """``text`` on one line, cut in the middle when long, so that it does not bury the answers."""
     text = text.replace("\r\n", "\n").replace("\n", " ⏎ ")
     if len(text) <= 2 * edge + 20:  # cutting would save less than the marker costs
         return text
@@ -90,8 +83,7 @@ def shorten(text: str, edge: int = ECHO_EDGE) -> str:
 
 
 def echo_prompt(prompt: Prompt) -> str:
-    """How a request is shown above its answer: the prompt, or for a conversation
-    (``--messages``) its size and last message."""
+    """A request above its answer: the prompt, or a conversation's size and last message."""
     if isinstance(prompt, str):
         return shorten(prompt)
     last = prompt[-1]
@@ -104,8 +96,7 @@ def answer_head(number: int, prompt: Prompt) -> str:
 
 
 def answer_tail(num_tokens: int, finish_reason: str | None) -> str:
-    """What ends an answer: how many tokens, and why it stopped (vLLM's ``finish_reason``:
-    "stop", an eos or stop id; "length", ``--max-new-tokens`` reached)."""
+    """What ends an answer: how many tokens, and why it stopped (vLLM's ``finish_reason``)."""
     return f"  ({plural(num_tokens, 'token')}, finish_reason={finish_reason})\n"
 
 
@@ -122,13 +113,8 @@ class _Answer:
 
 class StreamPrinter:
     """``--stream``: ``printer(index, output)`` for each ``RequestOutput`` of request
-    ``index`` (in the order of ``prompts``), as ``step()`` hands them out.
-
-    The answers appear in the order of the prompts and never mix: the first unfinished one has
-    the screen and grows token by token; the others collect their text and print it, at once,
-    when their turn comes. ``out`` (None: ``sys.stdout`` at each write) is flushed after every
-    piece, so a pipe sees the text when it is made.
-    """
+    ``index`` (in the order of ``prompts``), as ``step()`` hands them out. ``out`` (None:
+    ``sys.stdout`` at each write) is flushed after every piece: a pipe sees the text at once."""
 
     def __init__(
         self, decode: Decode, prompts: Sequence[Prompt], out: TextIO | None = None

@@ -54,10 +54,6 @@ class TextOptions:
     not both, since they could disagree. ``eos_token_id``: None stops at the checkpoint's eos
     ids, an id or a collection of ids replaces them, ``()`` means none.
     ``chat_template=False`` serves plain completions even when the checkpoint has a template.
-    ``engine``: where the model runs, its KV pool, the running set, the seed that requests
-    without their own draw from, and torch's CPU threads: one by default, since on a machine
-    that other programs share two threads wait for each other at every small matmul (50x
-    slower was measured); 0 leaves torch's own setting.
     """
 
     system: str | None = None
@@ -68,8 +64,7 @@ class TextOptions:
     engine: EngineOptions = field(default_factory=EngineOptions)
 
     def __post_init__(self) -> None:
-        """``eos_token_id`` read once, as sorted ids (checked against the vocabulary with each
-        request, when the model is known)."""
+        """``eos_token_id`` as sorted ids (checked against the vocabulary with each request)."""
         if self.eos_token_id is not None:
             ids = tuple(sorted(as_eos_ids(self.eos_token_id, None)))
             object.__setattr__(self, "eos_token_id", ids)
@@ -158,11 +153,8 @@ def prepare_requests(
     options: TextOptions,
     model: torch.nn.Module | None = None,
 ) -> TextRequests:
-    """Everything but the weights, checked, the checkpoint's folder and config read once: the
-    config (the model's, or the checkpoint's with the engine options), the tokenizer and
-    template, every request against the config (its vocabulary, context length and KV pool),
-    the weight files' names and shapes. The slow part, loading the weights, starts only when
-    all of this passed."""
+    """Everything but the weights, checked, the checkpoint opened once: the config, the text
+    side, every request against the config, the weight files' names and shapes."""
     overrides = options.engine.model_overrides()
     checkpoint = Checkpoint.open(model_dir)
     cfg = model.cfg if model is not None else checkpoint.model_config(**overrides)
@@ -184,8 +176,8 @@ def prepare_requests(
 def check_given_model(
     checkpoint: Checkpoint, model: torch.nn.Module, engine: EngineOptions
 ) -> None:
-    """A model given to ``generate_text`` is already built: an engine option that would build
-    another is refused (it would be ignored), and so is a model of another network."""
+    """A ``model=`` is built: an engine option that would build another is refused (it would
+    be ignored), and so is a model of another network."""
     defaults = EngineOptions().model_overrides()
     changed = {k: v for k, v in engine.model_overrides().items() if defaults.get(k) != v}
     if changed:
@@ -214,12 +206,8 @@ def serve(
     on_engine: Callable[[Any], object] | None = None,
     on_output: OnOutput | None = None,
 ) -> TextResult:
-    """The checked requests through ``step``'s engine, round by round, decoded.
-
-    The engine is driven as a server drives it: every request queued with ``add_request``,
-    then ``step()`` until no work is left; each round's ``RequestOutput``s go to ``on_output``
-    as they come, and the last one of each request (``finished``) says why it ended.
-    """
+    """The checked requests through ``step``'s engine, driven as a server drives it (every
+    request queued, then ``step()`` until no work is left), decoded."""
     engine = step.PagedPrefixCacheEngine(
         model, max_running=engine_options.max_running, seed=engine_options.seed
     )
@@ -247,9 +235,8 @@ def serve(
 
 
 def cache_note(requests: TextRequests) -> str | None:
-    """Why the system prompt that every request begins with was computed for each of them:
-    what the prompts share is shorter than one block, and only full blocks are shared. None
-    without a system prompt, or when they share a block."""
+    """Why the system prompt was computed for every request: what the prompts share is shorter
+    than one block, and only full blocks are shared (None when that is not so)."""
     ids = [request.prompt_ids for request in requests.requests]
     shared, block_size = common_prefix_len(ids) if len(ids) > 1 else 0, requests.cfg.block_size
     text = requests.codec.decode(ids[0][:shared]).strip()

@@ -90,8 +90,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
 
 def add_request_flags(parser: argparse.ArgumentParser) -> None:
-    """What to serve: ``--system``, ``--prompt``, ``--prompt-file``, ``--messages``, and
-    whether the chat template writes them."""
+    """What to serve, and whether the chat template writes it."""
     parser.add_argument(
         "--system", type=text_of("--system"), metavar="TEXT", help="a prompt every request shares"
     )
@@ -222,8 +221,7 @@ def read_text_arg(name: str) -> str:
 
 
 def prompt_file(name: str) -> list[str]:
-    """``--prompt-file``: one prompt per line of the file (``-``: stdin); empty lines are
-    skipped, and a file without a prompt is refused."""
+    """``--prompt-file``: one prompt per line (``-``: stdin), empty lines skipped."""
     prompts = [line for line in read_text_arg(name).splitlines() if line.strip()]
     if not prompts:
         raise argparse.ArgumentTypeError(f"{name}: no prompt in it (one prompt per line)")
@@ -231,9 +229,7 @@ def prompt_file(name: str) -> list[str]:
 
 
 def messages_file(name: str) -> list[dict[str, str]]:
-    """``--messages``: a conversation, a JSON list of ``{"role": ..., "content": ...}``
-    (``-``: read from stdin), checked here: a file the chat template could not take is
-    refused before anything loads."""
+    """``--messages``: a conversation in JSON (``-``: stdin), checked before anything loads."""
     try:
         messages = json.loads(read_text_arg(name))
     except json.JSONDecodeError as exc:
@@ -309,8 +305,7 @@ def describe(cfg: ModelConfig) -> list[str]:
 
 
 def describe_sampling(params: SamplingParams, seed: int) -> str:
-    """The banner's line about a sampled run: what is drawn from, and the seed that repeats
-    it."""
+    """The banner's line about a sampled run, with the seed that repeats it."""
     among = [f"temperature {params.temperature:g}"]
     if params.top_k > 0:
         among.append(f"top_k {params.top_k}")
@@ -328,8 +323,7 @@ def print_answers(result: TextResult) -> None:
 
 
 def print_summary(result: TextResult) -> None:
-    """After the answers: what the prefix cache did, the time, and why nothing could hit
-    when the shared system prompt is shorter than one block."""
+    """After the answers: what the prefix cache did, the time, and ``cache_note``."""
     s = result.stats
     new_tokens = sum(len(ids) for ids in result.output_ids)
     print(

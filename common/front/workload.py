@@ -19,11 +19,7 @@ def shared_prefix_prompts(
 
 
 def demo_prompts(vocab_size: int, block_size: int = 16) -> list[list[int]]:
-    """The chapter's demo: 10 requests sharing a 3-block prefix, each with its own tail.
-
-    Served one at a time, the first request misses and stores the prefix; the other nine hit it
-    (cold round 9/10); run again, all ten hit (hot round 10/10).
-    """
+    """The chapter's demo: 10 requests sharing a 3-block prefix, each with its own tail."""
     rng = random.Random(14)
     prefix = _tokens(rng, 3 * block_size, vocab_size)
     return [prefix + _tokens(rng, 4 + i, vocab_size) for i in range(10)]
@@ -35,8 +31,7 @@ PRESSURE_EOS_AT = (5, 12)  # the eos is the answer's own token at one of these p
 
 
 def pressure_prompt_lengths(num_requests: int = 24, seed: int = 7) -> list[int]:
-    """The lengths of ``pressure_prompts``: drawn first, so they do not depend on the vocabulary
-    (the bench checks the pool against the longest before it builds any model)."""
+    """The lengths of ``pressure_prompts``, without a vocabulary (for the bench's pool check)."""
     rng = random.Random(seed)
     return [
         rng.randrange(PRESSURE_PROMPT_LENS[0], PRESSURE_PROMPT_LENS[1] + 1)
@@ -47,9 +42,7 @@ def pressure_prompt_lengths(num_requests: int = 24, seed: int = 7) -> list[int]:
 def pressure_prompts(
     num_requests: int = 24, vocab_size: int = 1024, seed: int = 7
 ) -> list[list[int]]:
-    """``num_requests`` short unrelated prompts, 4 to 11 tokens each: the memory-pressure
-    workload, where each request stops at its own eos long before its ``max_new_tokens``
-    (``pressure_eos``)."""
+    """``num_requests`` short unrelated prompts, 4 to 11 tokens each (the pressure workload)."""
     rng = random.Random(seed + 1)
     return [_tokens(rng, n, vocab_size) for n in pressure_prompt_lengths(num_requests, seed)]
 
