@@ -506,6 +506,17 @@ def test_eos_in_a_file_must_be_token_ids(tied: Path, tmp_path: Path, eos: object
         eos_token_ids(folder)
 
 
+def test_a_tokenizer_that_is_not_the_checkpoints_is_refused_naming_the_prompt(
+    checkpoint: dict[str, object],
+) -> None:
+    """Ids past the model's vocabulary mean tokenizer.json belongs to another checkpoint."""
+    codec = TextCodec.load(checkpoint["single"])
+    ids = codec.encode_all(PROMPTS, SYSTEM, CFG.vocab_size)
+    assert ids == checkpoint["prompt_ids"]
+    with pytest.raises(CheckpointError, match=r"prompt 1 \('.*'\): the tokenizer gives ids"):
+        codec.encode_all(PROMPTS, SYSTEM, vocab_size=2)
+
+
 def test_missing_optional_packages_say_how_to_install(
     checkpoint: dict[str, object], monkeypatch: pytest.MonkeyPatch
 ) -> None:
