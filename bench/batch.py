@@ -23,6 +23,10 @@ from .models import StepModel
 from .progress import Progress
 
 Row = Cell[str, "RunResult"]  # a row: its name, what it fixed, its runs
+# The engine's counters a row keeps, under ``EngineStats``' names.
+COUNTERS = ("requests", "requests_hit", "prompt_tokens", "cached_tokens", "blocks_peak")
+COUNTERS += ("computed_prefill_tokens", "computed_decode_tokens", "rounds", "seqs_scheduled")
+COUNTERS += ("preemptions",)
 
 
 class Batch(Protocol):
@@ -35,11 +39,8 @@ class Batch(Protocol):
 
 @dataclass
 class RunResult:
-    """One run's tokens and time, the engine's counters, and what the run cost.
-
-    ``requests`` stays 0 for a row without a prefix cache at all (a peer); such a row fills in
-    the computed tokens, FLOPs and KV bytes from its own formulas.
-    """
+    """One run's tokens and time, the engine's counters, and what the run cost (a peer, with
+    no engine, fills in the computed tokens, FLOPs and KV bytes from its own formulas)."""
 
     outputs: list[list[int]]
     seconds: float
@@ -64,9 +65,7 @@ class RunResult:
 
 
 def serve_requests(engine, prompts: list[list[int]], workload: Batch) -> list[list[int]]:
-    """Every prompt through ``engine``, served together; each request stops at its own eos
-    when the workload has one per request (``add_request`` takes one per request, ``generate``
-    one for all)."""
+    """Every prompt through ``engine``, served together, each stopped at its own eos if any."""
     if workload.eos is None:
         return engine.generate(prompts, workload.max_new_tokens)
     ids = [
@@ -91,10 +90,9 @@ class BatchRunner:
         enable_prefix_cache: bool = True,
         earlier_prompt: list[int] | None = None,
     ):
-        """A fresh engine; with ``earlier_prompt``, after one request of it was served (so its
-        prefix is in the cache, as on a server that has seen traffic) and the counters zeroed.
-        ``blocks_peak`` keeps counting from the engine's creation: the cached prefix is memory
-        the timed requests use."""
+        """A fresh engine; with ``earlier_prompt``, after that request was served (its prefix
+        cached, as on a server that has seen traffic) and the counters zeroed (``blocks_peak``
+        still counts the cached prefix: memory the timed requests use)."""
         engine = self.model.engine(
             max_running=workload.max_running, enable_prefix_cache=enable_prefix_cache
         )
@@ -117,22 +115,9 @@ class BatchRunner:
         self.live = None
         work.sampled = sum(len(ids) for ids in outputs)
         s = engine.stats
-        return RunResult(
-            outputs,
-            seconds,
-            requests=s.requests,
-            requests_hit=s.requests_hit,
-            prompt_tokens=s.prompt_tokens,
-            cached_tokens=s.cached_tokens,
-            computed_prefill_tokens=s.computed_prefill_tokens,
-            computed_decode_tokens=s.computed_decode_tokens,
-            blocks_peak=s.blocks_peak,
-            kv_peak_bytes=s.blocks_peak * kv_bytes_per_block(cfg),
-            flops=model_flops(cfg, work),
-            rounds=s.rounds,
-            seqs_scheduled=s.seqs_scheduled,
-            preemptions=s.preemptions,
-        )
+        kv_peak_bytes, flops = s.blocks_peak * kv_bytes_per_block(cfg), model_flops(cfg, work)
+        counters = {name: getattr(s, name) for name in COUNTERS}
+        return RunResult(outputs, seconds, **counters, kv_peak_bytes=kv_peak_bytes, flops=flops)
 
     def run(
         self,
@@ -141,8 +126,7 @@ class BatchRunner:
         enable_prefix_cache: bool = True,
         earlier_prompt: list[int] | None = None,
     ) -> RunResult:
-        """A fresh engine (warmed by ``earlier_prompt`` when given, untimed), then ``prompts``
-        through it, timed."""
+        """A fresh engine (``earlier_prompt`` served first, untimed), then ``prompts``, timed."""
         engine = self.engine(workload, enable_prefix_cache, earlier_prompt)
         return self.serve(engine, prompts, workload)
 
@@ -160,13 +144,9 @@ def measure(
     live: Callable[[], str] | None = None,
     warmup: bool = False,
 ) -> Row:
-    """``repeats`` runs of one row, printed as one line when the row is done. Meanwhile a slow
-    row shows on ``progress`` (which run, ``live``'s figure, the time so far).
-
-    ``warmup``: one untimed run first. The first torch work of a process pays one-time costs
-    (thread pools, kernel selection, the allocator growing) that no later run pays, so without
-    it the first repeat of the first row measured the process, not the row.
-    """
+    """``repeats`` runs of one row, one line when done (a slow row shows on ``progress``).
+    ``warmup``: one untimed run first, since the first torch work of a process pays one-time
+    costs (thread pools, kernel selection, the allocator growing) that no later run pays."""
     row = Row(name, fixes)
     with progress.task(name) as task:
         task.live = live

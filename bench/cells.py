@@ -1,10 +1,8 @@
 """One cell of a table: a setting and its repeated runs, shown by its best run.
 
-Every workload repeats the same work several times and shows one run per cell: the batch rows
-their fastest run, the scale sweep its fastest run per request, the serving cells the run with
-the least busy time. The work is the same every run, so the time above the best run measures
-what else the machine was doing, not the engine. A cell whose runs lie far apart is flagged,
-since even its best run may have been slowed.
+Every workload repeats the same work and shows each cell's best run (the fastest, or the least
+busy): the time above it measures what else the machine was doing. A cell whose runs lie far
+apart is flagged, since even its best run may have been slowed.
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ R = TypeVar("R", bound=Timed)
 
 @dataclass
 class Cell(Generic[S, R]):
-    """``name`` (the table's first column), the ``setting`` it ran with (what a row fixed, a
-    sweep and its size, the prefix cache on or off), and its runs."""
+    """``name`` (the table's first column), the ``setting`` it ran with, and its runs."""
 
     name: str
     setting: S
@@ -75,8 +72,7 @@ def flagged_note(cells: list[Cell], what: str) -> list[str]:
 
 
 def markdown(titles: list[str], rows: list[list[str]], left: int = 1) -> str:
-    """A Markdown table whose columns line up in plain text too: the first ``left`` columns
-    aligned left, the others right (numbers)."""
+    """A Markdown table that lines up in plain text too; the numbers (after ``left``) right."""
     widths = [max(len(row[i]) for row in [titles, *rows]) for i in range(len(titles))]
 
     def line(cells: list[str]) -> str:

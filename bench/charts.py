@@ -9,8 +9,7 @@ from .batch import Row
 
 
 def pyplot(name: str):
-    """matplotlib's pyplot, drawing to files only; None (and a line saying how to get it)
-    without matplotlib."""
+    """matplotlib's pyplot, drawing to files only; None (and a line saying why) without it."""
     try:
         import matplotlib
 
@@ -23,8 +22,7 @@ def pyplot(name: str):
 
 
 def speedups(path: Path, rows: list[Row]) -> None:
-    """Two panels: each row's speedup over the first (its fastest run against the first's),
-    and the peak KV memory it held."""
+    """Two panels: each row's speedup over the first, and the peak KV memory it held."""
     plt = pyplot(path.name)
     if plt is None:
         return

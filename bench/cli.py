@@ -63,8 +63,7 @@ def model_name(text: str) -> str:
 
 
 def step_list(text: str) -> tuple[str, ...]:
-    """``--steps``: comma-separated step names, each one that exists in this checkout, once;
-    or ``all``, every step here in order."""
+    """``--steps``: step names of this checkout, comma-separated, each once; or ``all``."""
     here = available_steps()
     if text == ALL_STEPS:
         return tuple(here)
@@ -233,8 +232,7 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
 
 
 def read_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> BenchOptions:
-    """The options, once every flag is checked against the workload: a flag it does not read,
-    ``--dtype auto`` without a checkpoint, the workload's own rules (``check``)."""
+    """The options, once every flag is checked against the workload."""
     workload = WORKLOADS[args.workload]
     refuse_unread(parser, args)
     values = {
@@ -255,8 +253,7 @@ def read_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> B
 
 
 def refuse_unread(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Flags given on the command line that the chosen workload does not read: one ``error:``
-    line, rather than a run that silently ignores them."""
+    """Flags the chosen workload does not read: one ``error:`` line, not a silent run."""
     reasons: dict[str, list[str]] = {}
     for dest, value in vars(args).items():
         default = parser.get_default(dest)
@@ -288,8 +285,7 @@ def parse(argv: list[str] | None = None) -> BenchOptions:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m bench``: a bad flag exits 2, a problem with the checkpoint or the memory is
-    one ``error:`` line and status 1, Ctrl-C one line too."""
+    """``python -m bench``: a bad flag exits 2, a user error is one line and status 1."""
     options = parse(argv)
     return report_user_errors(PROG, lambda: run_workload(options))
 

@@ -90,6 +90,24 @@ def dense_work(
     return work
 
 
+def dense_figures(
+    cfg: ModelConfig,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    shared: int = 0,
+    shared_cached: bool = False,
+) -> dict[str, int]:
+    """A peer's row figures from its dense batch (``dense_work``, ``dense_kv_bytes``)."""
+    work = dense_work(batch, prompt_len, new_tokens, shared, shared_cached)
+    return {
+        "computed_prefill_tokens": work.tokens - batch * (new_tokens - 1),
+        "computed_decode_tokens": batch * (new_tokens - 1),
+        "kv_peak_bytes": dense_kv_bytes(cfg, batch, prompt_len, new_tokens),
+        "flops": model_flops(cfg, work),
+    }
+
+
 def floor_work(prompts: list[list[int]], answers: list[list[int]]) -> TokenWork:
     """The least any engine computes to give ``answers``: every distinct prompt prefix once
     (the nodes of the prompts' trie: a prefix the requests share counts once, as if the best
@@ -147,14 +165,9 @@ class TokenCounter(RoundObserver):
 
 @contextmanager
 def counting(engine: object) -> Iterator[TokenWork]:
-    """Count the chunks ``engine`` computes while the block runs.
-
-    The engine tells its observer (``common/observer.py``) every chunk and decode token it
-    schedules, with its first position, in every step, so the count is exact whichever tokens
-    the prefix cache saved, and nothing of the engine or the model is replaced. It costs a
-    method call per scheduled chunk. ``sampled`` is left for the caller (the tokens it got
-    back).
-    """
+    """Count the chunks ``engine`` computes while the block runs, from what it tells its
+    observer (``common/observer.py``): exact whichever tokens the cache saved, and nothing
+    replaced. ``sampled`` is left for the caller (the tokens it got back)."""
     counter = TokenCounter()
     engine.add_observer(counter)
     try:

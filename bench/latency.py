@@ -29,11 +29,9 @@ class TimedRequest:
 
 
 def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:
-    """``count`` arrival times of a Poisson process of ``rate`` per second: the first at 0,
-    then gaps drawn from the exponential distribution of mean ``1 / rate`` (what vLLM's
-    ``benchmark_serving`` sleeps between two requests). The generator is seeded apart from
-    the prompts' (a string seed is hashed the same way in every process), so the same seed
-    gives the same times. ``rate`` infinite: every request at 0."""
+    """``count`` arrival times of a Poisson process of ``rate`` per second (the gaps vLLM's
+    ``benchmark_serving`` sleeps), the first at 0; infinite ``rate``: all at 0. Seeded apart
+    from the prompts, by a string (hashed alike in every process)."""
     if math.isinf(rate):
         return [0.0] * count
     rng = random.Random(f"arrivals {seed}")
@@ -134,8 +132,7 @@ class RunFigures:
         return self.stats.get("cached_tokens", 0) / max(self.stats.get("prompt_tokens", 0), 1)
 
     def to_json(self) -> dict[str, object]:
-        """The run's figures, and each request's TTFT and TPOT in milliseconds (to the
-        microsecond; None for a one-token answer's TPOT), in request order."""
+        """The run's figures, and each request's TTFT and TPOT in ms, in request order."""
         return {
             "busy_s": self.busy_s,
             "duration_s": self.duration_s,

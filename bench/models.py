@@ -34,14 +34,8 @@ def _changes(options: BenchOptions, total_blocks: int) -> dict[str, object]:
     }
 
 
-def dtype_name(cfg: ModelConfig) -> str:
-    """``float32``, ``bfloat16``...: the config's dtype under the name ``--dtype`` takes."""
-    return str(cfg.dtype).removeprefix("torch.")
-
-
 def model_config(options: BenchOptions, total_blocks: int) -> ModelConfig:
-    """The model's config with a pool of ``total_blocks``: a preset's, or a checkpoint's
-    ``config.json`` (no weight is read)."""
+    """A preset's config, or a checkpoint's (no weight read), with a pool of ``total_blocks``."""
     if options.model in PRESETS:
         return preset(options.model, **_changes(options, total_blocks))
     from common.checkpoint import checkpoint_config
@@ -56,15 +50,14 @@ def bench_config(workload, model: str = "bench", **changes: object) -> ModelConf
 
 
 def check_pool_fits(workload, block_size: int) -> None:
-    """The pool must hold the largest request for its whole life, or the engine refuses it:
-    the core's check (a ``RequestError`` that names the flags), run on the flags alone."""
+    """The core's check that the pool holds the largest request, on the flags alone."""
     pool = ModelConfig(block_size=block_size, total_blocks=workload.pool_blocks(block_size))
     check_fits_pool(max(workload.prompt_lengths()), workload.max_new_tokens, pool)
 
 
 def check_workload_memory(options: BenchOptions, total_blocks: int, prompt_tokens: int) -> None:
-    """The weights, one KV pool and the prompts against the memory the machine has, before the
-    prompts are drawn or a weight is read: a size it cannot hold is one ``error:`` line."""
+    """The weights, one KV pool and the prompts against the machine's memory, before any is
+    made: a size it cannot hold is one ``error:`` line."""
     cfg = model_config(options, total_blocks)
     check_memory(cfg, weights=True, extra={"the prompts": PROMPT_BYTES_PER_TOKEN * prompt_tokens})
 
@@ -82,8 +75,7 @@ def load_model(options: BenchOptions, total_blocks: int) -> tuple[ModelConfig, W
 def load_workload_model(
     options: BenchOptions, workload, progress: Progress
 ) -> tuple[ModelConfig, Weights | None]:
-    """The model for ``workload``'s pool, once the memory check has passed: before the
-    prompts are drawn or a weight is read."""
+    """The model for ``workload``'s pool, once the memory check has passed."""
     total = workload.pool_blocks(options.block_size)
     check_workload_memory(options, total, sum(workload.prompt_lengths()))
     with progress.task(f"loading {options.model}"):
@@ -92,8 +84,7 @@ def load_workload_model(
 
 @dataclass
 class StepModel:
-    """One step's package and its model: built once, served by a fresh engine every run (a
-    cold cache), so that every repeat does the same work."""
+    """One step's package and its model, built once; each run gets a fresh engine."""
 
     step: ModuleType
     model: torch.nn.Module
@@ -108,8 +99,7 @@ class StepModel:
 
 
 def load_step_model(name: str, cfg: ModelConfig, weights: Weights | None = None) -> StepModel:
-    """Step ``name``'s model of ``cfg``: seeded weights, or ``weights`` (a checkpoint's, for a
-    seedless ``cfg``), shared, not copied."""
+    """Step ``name``'s model of ``cfg``: seeded weights, or ``weights``, shared, not copied."""
     step = load_step(name)
     model = step.TinyTransformerPaged(cfg)
     if weights is not None:

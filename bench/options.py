@@ -1,8 +1,5 @@
-"""``BenchOptions``: ``python -m bench``'s flags, read once into their types (``bench/cli.py``).
-
-A workload reads the fields it has a default for (``DEFAULTS`` in its module); the others are
-None, and the command line refuses them, so that no flag is silently ignored.
-"""
+"""``BenchOptions``: ``python -m bench``'s flags, read once into their types (``bench/cli.py``);
+a field a workload does not read (no ``DEFAULTS`` entry in its module) is None."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """A status line on stderr while ``python -m bench`` works on something slow.
 
-A big workload (``--prefix-len 100000``, a real checkpoint) can spend minutes in one row, and
-the table is printed only at the end. So while a task runs longer than ``DELAY_S``, one line
-on stderr says what is running and for how long (``step14_3: run 2/3, 1,024 tokens computed,
-41 s``), rewritten in place every second and erased when the task ends. Tasks shorter than
-that show nothing: the default workload prints exactly what it printed before.
-
-It is off when stderr is not a terminal (a log file gets no carriage returns) and with
-``--quiet``. stdout only ever receives whole lines, printed once the status line is erased,
-so the two never garble each other on one terminal.
+A big workload can spend minutes in one row, and the table is printed only at the end. So while
+a task runs longer than ``DELAY_S``, one line on stderr says what runs and for how long
+(``step14_3: run 2/3, 1,024 tokens computed, 41 s``), redrawn every second, erased at its end.
+It is off when stderr is not a terminal and with ``--quiet``; stdout only ever gets whole
+lines, once the status line is erased, so the two never garble each other.
 """
 
 from __future__ import annotations
@@ -26,8 +22,7 @@ CLEAR_LINE = "\r\x1b[K"  # back to the line's start, erase to its end
 
 
 class Task:
-    """What the status line says about one task; the runner updates ``note`` as it goes
-    (``run 2/3``), and ``live`` (when set) adds a figure read at each redraw."""
+    """One task's status: ``note`` (``run 2/3``), and ``live``, a figure read at each redraw."""
 
     def __init__(self, label: str) -> None:
         self.label = label

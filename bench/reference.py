@@ -11,8 +11,7 @@ from common.reference import ReferenceModel, reference_generate
 
 
 class Reference:
-    """The dense, cache-free reference model on the bench's weights, built when first asked
-    for (``--no-reference`` on the shared-prefix workload never builds it)."""
+    """The dense, cache-free reference model on the bench's weights, built when first used."""
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor] | None) -> None:
         self.cfg, self.weights, self._model = cfg, weights, None
@@ -39,3 +38,12 @@ class Reference:
             reference_generate(self.model, [prompt], max_new_tokens, stop)[0]
             for prompt, stop in zip(prompts, eos, strict=True)
         ]
+
+
+def reference_tokens(options, progress, cfg: ModelConfig, weights, workload) -> list | None:
+    """The reference's tokens for ``workload``'s prompts, or None with ``--no-reference``."""
+    if options.no_reference:
+        return None
+    with progress.task("dense reference"):
+        prompts = workload.prompts(cfg.vocab_size)
+        return Reference(cfg, weights).tokens(prompts, workload.max_new_tokens)

@@ -23,26 +23,24 @@ from common.memory import gib, kv_bytes_per_block, kv_pool_bytes
 from . import charts
 from .batch import BatchRunner, Row, RunResult, measure
 from .cells import SPREAD_FLAG, flagged_note, markdown
-from .costs import MATMUL_N, Floor, dense_kv_bytes, floor_work, matmul_gflops, model_flops
-from .models import dtype_name, load_step_model, load_workload_model
+from .costs import MATMUL_N, MIB, Floor, dense_kv_bytes, floor_work, matmul_gflops, model_flops
+from .models import load_step_model, load_workload_model
 from .options import BenchOptions
 from .progress import Progress
 from .reference import Reference
 from .saved import saved_run_head, write_json
 
-MIB = 2**20
 SLOW_REFERENCE_S = 10.0  # a reference check slower than this gets a hint to skip it
 
 
 def header(cfg: ModelConfig, describe: str, options: BenchOptions, machine_gflops: float) -> str:
-    """What runs, on what: the workload, the model, torch's thread count (said once) and this
-    machine's matmul rate, the yardstick of the GFLOP/s column."""
+    """What runs, on what, and this machine's matmul rate (the GFLOP/s column's yardstick)."""
     threads = plural(torch.get_num_threads(), "thread")
     return (
         f"{describe}\nmodel {options.model}: d_model={cfg.d_model}, {cfg.num_layers} layers, "
         f"{cfg.num_heads} heads, vocab {cfg.vocab_size}, block_size={cfg.block_size}, "
         f"{cfg.total_blocks} blocks ({gib(kv_pool_bytes(cfg))} of KV), {cfg.device}, "
-        f"{dtype_name(cfg)}; torch {torch.__version__}, {threads}\n"
+        f"{cfg.dtype_name}; torch {torch.__version__}, {threads}\n"
         f"this machine: {machine_gflops:.1f} GFLOP/s on a {MATMUL_N}x{MATMUL_N} float32 matmul "
         "at that thread count: what arithmetic alone could reach\n"
         f"{plural(options.repeats, 'run')} per row, each through a fresh engine (a cold cache "
@@ -55,8 +53,7 @@ def new_tokens(row: Row) -> int:
 
 
 def figures(row: Row, base: Row, prev: Row | None, floor: Floor) -> dict[str, str]:
-    """One row of the table, by column title. A row without an engine (a peer) has no prefix
-    reuse, rounds or preemptions: "-"."""
+    """One row of the table, by column title ("-": what a peer, without an engine, lacks)."""
     r, best, engine = row.best, row.best.seconds, row.best.rounds > 0
     return {
         "min s": f"{best:.3f}{'!' if row.flagged else ' '}",
@@ -75,8 +72,7 @@ def figures(row: Row, base: Row, prev: Row | None, floor: Floor) -> dict[str, st
 
 
 def table(rows: list[Row], extra: list[Row], floor: Floor) -> str:
-    """The Markdown table: ``rows`` are steps (compared with the first one and the one before),
-    ``extra`` are variants and peers (compared with the first row only)."""
+    """The table: ``rows`` (steps, each against the first and the one before), then ``extra``."""
     lines = [
         [row.name, row.setting, *figures(row, rows[0], prev, floor).values()]
         for row, prev in zip(rows + extra, [None, *rows[:-1]] + [None] * len(extra))
@@ -86,8 +82,7 @@ def table(rows: list[Row], extra: list[Row], floor: Floor) -> str:
 
 
 def notes(rows: list[Row], cfg: ModelConfig, workload, options: BenchOptions, floor: Floor) -> str:
-    """What the columns mean, with this run's own figures: the statistic, the floor, the
-    formulas behind the KV memory and the FLOPs."""
+    """What the columns mean, with this run's own figures."""
     positions = max(workload.prompt_lengths()) + workload.max_new_tokens - 1
     dense = (
         f"; the peers (HF, CTranslate2) hold a dense cache of {workload.num_requests} x "
@@ -116,10 +111,8 @@ def notes(rows: list[Row], cfg: ModelConfig, workload, options: BenchOptions, fl
 
 def memory_notes(row: Row, cfg: ModelConfig, workload) -> list[str]:
     """What requests/round and preemptions mean, with ``row``'s own figures, and how many
-    requests worst-case reservation would have run at once: arithmetic, not a run. Reserving
-    ``prompt + max_new_tokens`` per request (``blocks_for_request``), the pool holds
-    ``total_blocks // smallest reservation`` requests at most (and never more than
-    ``max_running``)."""
+    requests worst-case reservation (prompt + max_new_tokens each) would run at once:
+    arithmetic, not a run."""
     r, bs, pool = row.best, cfg.block_size, cfg.total_blocks
     lengths = workload.prompt_lengths()
     reserved = [blocks_for_request(n, workload.max_new_tokens, bs) for n in lengths]
@@ -227,8 +220,7 @@ def row_json(row: Row, base: Row, floor: Floor) -> dict[str, object]:
 
 
 class BatchRun:
-    """One run of a workload of rows: the model loaded once the memory check has passed, the
-    prompts drawn, the machine's matmul rate measured, the header printed."""
+    """A workload of rows: its model, prompts and the machine's matmul rate, and its header."""
 
     def __init__(self, options: BenchOptions, workload, progress: Progress) -> None:
         self.options, self.progress, self.seconds = options, progress, {}
@@ -240,8 +232,7 @@ class BatchRun:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Time a phase of the run (the steps, the peers, the reference check): the last line
-        says how long each took, so that a slow one is visible (and skippable)."""
+        """Time a phase of the run: the last line says how long each took."""
         start = time.perf_counter()
         yield
         self.seconds[name] = time.perf_counter() - start
@@ -251,8 +242,7 @@ class BatchRun:
         return measure(name, fixes, run, self.options.repeats, self.progress, live, warmup)
 
     def step_rows(self, workload) -> tuple[list[Row], BatchRunner]:
-        """A row per step of ``--steps``, one step's model at a time; the first row is warmed
-        up. Returns the rows and the last step's runner (its variants use the same model)."""
+        """A row per step, one model at a time; and the last step's runner, for its variants."""
         rows: list[Row] = []
         for name in self.options.steps:
             with self.progress.task(f"{name}: building the model"):
@@ -263,9 +253,8 @@ class BatchRun:
         return rows, runner
 
     def finish(self, workload, rows: list[Row], extra: list[Row]) -> int:
-        """The reference check, the table, the notes, how long each phase took,
-        ``results.json`` and the chart; 0 when every row's tokens agree (with the reference's,
-        when it ran)."""
+        """The reference check, the table and notes, ``results.json``, the chart; 0 when all
+        tokens agree."""
         expected = None
         if not self.options.no_reference:
             with self.phase("reference check"), self.progress.task("dense reference"):

@@ -31,8 +31,7 @@ def machine() -> dict[str, object]:
 def saved_run_head(
     cfg: ModelConfig, workload: dict, options: BenchOptions, omit: tuple[str, ...] = ()
 ) -> dict[str, object]:
-    """The first keys of every saved run: when, on what, with which workload and model (less
-    the model fields in ``omit``, which vary by cell)."""
+    """The first keys of every saved run: when, on what, with which workload and model."""
     return {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": machine(),
@@ -46,8 +45,7 @@ def saved_run_head(
 
 
 def dumps(data: object) -> str:
-    """``data`` as indented JSON, but each list of plain numbers on one line: a run's
-    per-request figures take a line each, not one line per request."""
+    """``data`` as indented JSON, each list of plain numbers on one line."""
     text = json.dumps(data, indent=2)
     numbers = re.compile(r"\[\s*((?:-?[\d.eE+-]+|null)(?:,\s*(?:-?[\d.eE+-]+|null))*)\s*\]")
     return numbers.sub(lambda m: "[" + " ".join(m.group(1).split()) + "]", text) + "\n"

@@ -1,9 +1,11 @@
 """Reading a local Hugging Face Llama checkpoint: ``config.json`` and ``*.safetensors``.
 
-``load_checkpoint(path)`` turns the directory into a ``ModelConfig`` and a state dict that
-``CausalLM.load_weights`` checks name by name and shape by shape; ``from_pretrained`` in every
-step is those two calls. Nothing is downloaded: ``path`` is a directory on disk, laid out the
-way ``save_pretrained`` (or a model hub download) leaves it.
+``Checkpoint.open(path)`` finds the directory and reads its ``config.json`` once; the run then
+asks that object for all it needs (the ``ModelConfig`` with its overrides, the eos ids, the
+weights' names and shapes, the weights, which ``CausalLM.load_weights`` checks name by name and
+shape by shape), and nothing looks for the folder or reads a file twice. ``from_pretrained`` in
+every step is ``model_config`` and ``read_weights``. Nothing is downloaded: ``path`` is a
+directory on disk, laid out the way ``save_pretrained`` (or a model hub download) leaves it.
 
 Only what the engine computes is accepted. A checkpoint that asks for anything else (biases,
 a sliding window, another RoPE scaling, another architecture) is refused with an error naming
@@ -15,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +67,12 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def read_optional_json(path: Path) -> dict[str, Any]:
+    """``read_json``, or {} when the checkpoint has no such file (``generation_config.json``,
+    the tokenizer's files)."""
+    return read_json(path) if path.is_file() else {}
+
+
 def checkpoint_dir(path: str | Path) -> Path:
     """``path`` as a checkpoint directory, or a CheckpointError saying what is missing."""
     folder = Path(path).expanduser()
@@ -74,6 +84,86 @@ def checkpoint_dir(path: str | Path) -> Path:
     if not (folder / CONFIG_FILE).is_file():
         raise CheckpointError(f"{folder} has no {CONFIG_FILE}")
     return folder
+
+
+@dataclass(frozen=True, eq=False)
+class Checkpoint:
+    """A checkpoint directory, opened: found, and its ``config.json`` read. Everything else
+    is read when first asked for, and once (the eos ids, the weights' headers)."""
+
+    folder: Path
+    hf: dict[str, Any]  # config.json, as stored
+
+    @classmethod
+    def open(cls, path: str | Path | Checkpoint) -> Checkpoint:
+        """The checkpoint at ``path``, or a CheckpointError saying what is missing; one already
+        open is taken as it is, so that a function may be handed either."""
+        if isinstance(path, Checkpoint):
+            return path
+        folder = checkpoint_dir(path)
+        return cls(folder, read_json(folder / CONFIG_FILE))
+
+    def model_config(self, **overrides: Any) -> ModelConfig:
+        """The ``ModelConfig``, with ``overrides`` (``config_from_hf``); no weight is read."""
+        return config_from_hf(self.hf, **overrides)
+
+    @cached_property
+    def eos_token_ids(self) -> list[int]:
+        """The ids that end a generation: ``generation_config.json``'s ``eos_token_id`` if it
+        has one, else ``config.json``'s (either may be one id or a list; Llama 3 chat models
+        list several, ``<|eot_id|>`` among them). A request stops at the first it generates."""
+        sources = {GENERATION_CONFIG_FILE: read_optional_json(self.folder / GENERATION_CONFIG_FILE)}
+        for name, config in {**sources, CONFIG_FILE: self.hf}.items():
+            eos = config.get("eos_token_id")
+            if eos is not None:
+                ids = eos if isinstance(eos, list) else [eos]
+                if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                    raise CheckpointError(
+                        f"{name}: eos_token_id must be a token id or a list of them, got {eos!r}"
+                    )
+                return list(ids)
+        return []
+
+    @cached_property
+    def stored_shapes(self) -> dict[str, torch.Tensor]:
+        """Every stored tensor's name and shape, from the files' headers only (milliseconds,
+        however large the model), as shape-only tensors on the meta device."""
+        require_safetensors()
+        from safetensors import safe_open
+
+        shapes: dict[str, torch.Tensor] = {}
+        for file in safetensors_files(self.folder):
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                        shapes[name] = torch.empty(f.get_slice(name).get_shape(), device="meta")
+            except Exception as exc:  # safetensors' own error type: a truncated or foreign file
+                raise CheckpointError(unreadable(file, exc)) from None
+        return shapes
+
+    def check_shapes(self, cfg: ModelConfig) -> None:
+        """The weights' names and shapes against ``cfg`` before any weight is read: a
+        checkpoint that does not fit is refused in a second, not after loading gigabytes. (A
+        tied checkpoint's extra ``lm_head.weight`` is compared with the embedding at load.)"""
+        shapes = {name: t for name, t in self.stored_shapes.items() if not derived(name)}
+        if cfg.tie_word_embeddings:
+            shapes.pop("lm_head.weight", None)
+        check_weights(shapes, cfg)
+
+    def read_weights(self, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+        """The weights for a model of ``cfg``: their names and shapes are checked from the
+        files' headers first, and again by ``CausalLM.load_weights``.
+
+        The weights are already in ``cfg.dtype`` on ``cfg.device``, cast one tensor at a time (a
+        bfloat16 file is never held twice over in float32), so that several models built from
+        one ``load_checkpoint`` (every step in ``python -m bench``) share the same tensors.
+        """
+        self.check_shapes(cfg)
+        weights = read_safetensors(self.folder)
+        _drop_redundant(weights, cfg)
+        for name in weights:
+            weights[name] = weights[name].to(device=cfg.device, dtype=cfg.dtype)
+        return weights
 
 
 # ---- config.json ----------------------------------------------------------------------------
@@ -227,32 +317,19 @@ def stored_dtype(hf: Mapping[str, Any]) -> torch.dtype:
 
 def checkpoint_config(path: str | Path, **overrides: Any) -> ModelConfig:
     """The ``ModelConfig`` of a checkpoint directory, without reading any weights."""
-    return config_from_hf(read_json(checkpoint_dir(path) / CONFIG_FILE), **overrides)
+    return Checkpoint.open(path).model_config(**overrides)
 
 
 def eos_token_ids(path: str | Path) -> list[int]:
-    """The ids that end a generation: ``generation_config.json``'s ``eos_token_id`` if there is
-    one, else ``config.json``'s (either may be one id or a list; Llama 3 chat models list
-    several, ``<|eot_id|>`` among them). A request stops at the first of them it generates."""
-    folder = checkpoint_dir(path)
-    for name in (GENERATION_CONFIG_FILE, CONFIG_FILE):
-        if (folder / name).is_file():
-            eos = read_json(folder / name).get("eos_token_id")
-            if eos is not None:
-                ids = eos if isinstance(eos, list) else [eos]
-                if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                    raise CheckpointError(
-                        f"{name}: eos_token_id must be a token id or a list of them, got {eos!r}"
-                    )
-                return list(ids)
-    return []
+    """``Checkpoint.eos_token_ids``: the ids that end a generation."""
+    return Checkpoint.open(path).eos_token_ids
 
 
 def max_position_embeddings(path: str | Path) -> int | None:
     """``config.json``'s ``max_position_embeddings`` (None when absent), read without building
     a config: ``ModelConfig.max_position_embeddings`` holds the same, and ``max_model_len``
     starts from it."""
-    value = read_json(checkpoint_dir(path) / CONFIG_FILE).get("max_position_embeddings")
+    value = Checkpoint.open(path).hf.get("max_position_embeddings")
     return int(value) if value is not None else None
 
 
@@ -297,24 +374,6 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def stored_shapes(folder: Path) -> dict[str, torch.Tensor]:
-    """Every stored tensor's name and shape, read from the files' headers only (milliseconds,
-    however large the model), as shape-only tensors on the meta device."""
-    require_safetensors()
-    from safetensors import safe_open
-
-    shapes: dict[str, torch.Tensor] = {}
-    for file in safetensors_files(folder):
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                    shape = f.get_slice(name).get_shape()
-                    shapes[name] = torch.empty(shape, device="meta")
-        except Exception as exc:  # safetensors' own error type: a truncated or foreign file
-            raise CheckpointError(unreadable(file, exc)) from None
-    return shapes
-
-
 def unreadable(file: Path, exc: Exception) -> str:
     """Why a weight file cannot be read, and what to do: most often a download cut short."""
     return (
@@ -324,25 +383,21 @@ def unreadable(file: Path, exc: Exception) -> str:
 
 
 def check_stored_shapes(path: str | Path, cfg: ModelConfig) -> None:
-    """The weights' names and shapes against ``cfg`` before any weight is read: a checkpoint
-    that does not fit is refused in a second, not after loading gigabytes. (A tied
-    checkpoint's extra ``lm_head.weight`` is compared with the embedding at load.)"""
-    shapes = stored_shapes(checkpoint_dir(path))
-    for name in [n for n in shapes if n.endswith("rotary_emb.inv_freq")]:
-        del shapes[name]
-    if cfg.tie_word_embeddings:
-        shapes.pop("lm_head.weight", None)
-    check_weights(shapes, cfg)
+    """``Checkpoint.check_shapes``: the weights' names and shapes against ``cfg``."""
+    Checkpoint.open(path).check_shapes(cfg)
+
+
+def derived(name: str) -> bool:
+    """A tensor some checkpoints store that is computed from the config instead:
+    ``rotary_emb.inv_freq``, from θ (older conversions saved it as a buffer)."""
+    return name.endswith("rotary_emb.inv_freq")
 
 
 def _drop_redundant(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
-    """Remove tensors that some checkpoints store but that carry no information.
-
-    ``rotary_emb.inv_freq`` is derived from θ (older conversions saved it as a buffer). A tied
-    checkpoint may still store ``lm_head.weight``; that is accepted only when it is the
-    embedding matrix itself, since the tied model would ignore anything else.
-    """
-    for name in [n for n in weights if n.endswith("rotary_emb.inv_freq")]:
+    """Remove tensors that some checkpoints store but that carry no information: the
+    ``derived`` ones, and a tied checkpoint's ``lm_head.weight``, accepted only when it is the
+    embedding matrix itself, since the tied model would ignore anything else."""
+    for name in [n for n in weights if derived(n)]:
         del weights[name]
     if cfg.tie_word_embeddings and "lm_head.weight" in weights:
         embedding = weights.get("model.embed_tokens.weight")
@@ -357,23 +412,12 @@ def _drop_redundant(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
 def load_checkpoint(
     path: str | Path, **overrides: Any
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """``(cfg, weights)`` from a local checkpoint directory (``read_weights``)."""
-    cfg = checkpoint_config(path, **overrides)
-    return cfg, read_weights(path, cfg)
+    """``(cfg, weights)`` from a local checkpoint directory (``Checkpoint.read_weights``)."""
+    checkpoint = Checkpoint.open(path)
+    cfg = checkpoint.model_config(**overrides)
+    return cfg, checkpoint.read_weights(cfg)
 
 
 def read_weights(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The checkpoint's weights for a model of ``cfg``: their names and shapes are checked
-    from the files' headers first, and again by ``CausalLM.load_weights``.
-
-    The weights are already in ``cfg.dtype`` on ``cfg.device``, cast one tensor at a time (a
-    bfloat16 file is never held twice over in float32), so that several models built from one
-    ``load_checkpoint`` (every step in ``python -m bench``) share the same tensors.
-    """
-    folder = checkpoint_dir(path)
-    check_stored_shapes(folder, cfg)
-    weights = read_safetensors(folder)
-    _drop_redundant(weights, cfg)
-    for name in weights:
-        weights[name] = weights[name].to(device=cfg.device, dtype=cfg.dtype)
-    return weights
+    """``Checkpoint.read_weights``: the weights for a model of ``cfg``, checked and cast."""
+    return Checkpoint.open(path).read_weights(cfg)

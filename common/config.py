@@ -147,6 +147,11 @@ class ModelConfig:
         assert self.num_kv_heads is not None  # resolved in __post_init__
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def dtype_name(self) -> str:
+        """``float32``, ``bfloat16``...: the dtype under the name ``--dtype`` takes."""
+        return str(self.dtype).removeprefix("torch.")
+
     def kv_bytes_per_token(self, kv_heads: int | None = None) -> int:
         """K and V of one token position in every layer: what any KV cache stores per token,
         paged (``x block_size`` per block) or dense (``x positions``). Grouped-query attention
@@ -164,28 +169,16 @@ class ModelConfig:
         return replace(self, **changes)
 
 
+# Small enough that hundreds of random scenarios run in seconds.
+_TINY = ModelConfig(
+    vocab_size=512, d_model=64, num_heads=4, num_layers=2, d_ff=172, block_size=4, total_blocks=128
+)
+
 PRESETS: dict[str, ModelConfig] = {
-    # Small enough that hundreds of random scenarios run in seconds.
-    "tiny": ModelConfig(
-        vocab_size=512,
-        d_model=64,
-        num_heads=4,
-        num_layers=2,
-        d_ff=172,
-        block_size=4,
-        total_blocks=128,
-    ),
+    "tiny": _TINY,
     # One layer of tiny: the model's share of a request is small, so the engine's own cost
     # shows (python -m bench --workload scale), and a pool of a million blocks takes 2 GiB.
-    "toy": ModelConfig(
-        vocab_size=512,
-        d_model=64,
-        num_heads=4,
-        num_layers=1,
-        d_ff=172,
-        block_size=4,
-        total_blocks=128,
-    ),
+    "toy": _TINY.replace(num_layers=1),
     # The chapter's demo (python -m stepN.run).
     "demo": ModelConfig(),
     # The side-by-side benchmark: big enough that the model's work is not all Python overhead.

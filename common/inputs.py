@@ -9,6 +9,7 @@ before any is queued: all or nothing). The two rules about size, ``check_context
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -137,16 +138,31 @@ def context_length_source(cfg: ModelConfig) -> str:
     return f"max_model_len (--max-model-len); the checkpoint was trained on {trained} positions"
 
 
+def long_context_warning(cfg: ModelConfig) -> str | None:
+    """A ``max_model_len`` past the positions the checkpoint was trained on is allowed (vLLM
+    allows it too, when asked), but deserves a word: the model never saw those positions."""
+    trained, limit = cfg.max_position_embeddings, cfg.max_model_len
+    if trained is None or limit is None or limit <= trained:
+        return None
+    return (
+        f"max_model_len {limit} is past the {trained} positions the checkpoint was trained on "
+        "(its max_position_embeddings): a longer request runs the model on positions it never "
+        "saw, and its text may fall apart"
+    )
+
+
 def check_requests(
     prompts: object,
     max_new_tokens: object,
     eos_token_id: object,
     cfg: ModelConfig,
     sampling_params: object = None,
+    labels: list[str] | None = None,
 ) -> list[Request]:
     """``check_request`` for every prompt of a batch, before any is queued: a bad one leaves
     the engine untouched. The checked requests are what the engine queues (a prompt given as
-    a one-shot iterator is read once). ``sampling_params``: one for all, or one per prompt."""
+    a one-shot iterator is read once). ``sampling_params``: one for all, or one per prompt.
+    ``labels``: how an error names each prompt (the text front end's ``prompt 2 ('...')``)."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
         raise RequestError(
             f"prompts must be a list of prompts (lists of token ids), got {type(prompts).__name__}",
@@ -154,10 +170,15 @@ def check_requests(
         )
     prompts = list(prompts)
     per_prompt = sampling_params_per_prompt(sampling_params, len(prompts))
-    return [
-        check_request(p, max_new_tokens, eos_token_id, cfg, params)
-        for p, params in zip(prompts, per_prompt, strict=True)
-    ]
+    requests = []
+    for i, (prompt, params) in enumerate(zip(prompts, per_prompt, strict=True)):
+        try:
+            requests.append(check_request(prompt, max_new_tokens, eos_token_id, cfg, params))
+        except RequestError as exc:
+            if labels is not None:  # the same error, and which prompt it is about
+                exc.args = (f"{labels[i]}: {exc}",)
+            raise
+    return requests
 
 
 def sampling_params_per_prompt(sampling_params: object, num_prompts: int) -> list[object]:
@@ -192,8 +213,9 @@ def as_token_list(prompt_ids: object) -> list[int]:
     return [int(t) for t in tokens]
 
 
-def as_eos_ids(eos_token_id: object, vocab_size: int) -> frozenset[int]:
-    """``None``, one id, or a collection of ids (Llama 3 lists several), as a set of ids."""
+def as_eos_ids(eos_token_id: object, vocab_size: int | None) -> frozenset[int]:
+    """``None``, one id, or a collection of ids (Llama 3 lists several), as a set of ids in
+    ``[0, vocab_size)`` (``vocab_size`` None: any id >= 0, the model not known yet)."""
     if eos_token_id is None:
         return frozenset()
     if is_int(eos_token_id):
@@ -204,10 +226,11 @@ def as_eos_ids(eos_token_id: object, vocab_size: int) -> frozenset[int]:
         ids = [eos_token_id]  # a tensor or array that is a non-integer scalar or a matrix
     else:
         ids = list(eos_token_id)
-    if not all(is_int(t) and 0 <= t < vocab_size for t in ids):
+    end = math.inf if vocab_size is None else vocab_size
+    if not all(is_int(t) and 0 <= t < end for t in ids):
         raise RequestError(
             f"eos_token_id must be None, a token id or a collection of token ids in "
-            f"[0, {vocab_size}), got {eos_token_id!r}",
+            f"[0, {end}), got {eos_token_id!r}",
             "eos_token_id",
         )
     return frozenset(int(t) for t in ids)

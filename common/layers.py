@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .checkpoint import Checkpoint
 from .config import Llama3RopeScaling, ModelConfig
 from .memory import check_memory
 from .weights import check_weights, make_state_dict
@@ -198,26 +199,29 @@ class CausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls: type[ModelT], path: str | Path, config: ModelConfig | None = None, **overrides: object
+        cls: type[ModelT],
+        path: str | Path | Checkpoint,
+        config: ModelConfig | None = None,
+        **overrides: object,
     ) -> ModelT:
         """A model from a local Hugging Face checkpoint directory (``config.json`` and
         ``*.safetensors``, sharded or not). Nothing is downloaded.
 
+        ``path``: the directory, or a ``common.checkpoint.Checkpoint`` already open (a front
+        end that checked its requests against it first), which is not opened again.
         ``overrides`` set the fields a checkpoint does not decide (``block_size``,
         ``total_blocks``, ``dtype``, ``device``); fields the engine cannot honour (biases,
         sliding windows, other RoPE scalings) are refused by name. See ``common.checkpoint``.
-        ``config``: the checkpoint's config already read (``checkpoint_config(path,
-        **overrides)``, as a front end does to check requests before the weights load), in
-        place of reading it again; as in Hugging Face's ``from_pretrained(config=...)``.
+        ``config``: the checkpoint's config already read (``checkpoint.model_config(**overrides)``),
+        in place of reading it again; as in Hugging Face's ``from_pretrained(config=...)``.
         """
-        from .checkpoint import checkpoint_config, read_weights  # needs safetensors
-
         if config is not None and overrides:
             raise TypeError("give config= or overrides, not both: the config already has them")
-        cfg = config if config is not None else checkpoint_config(path, **overrides)
+        checkpoint = Checkpoint.open(path)
+        cfg = config if config is not None else checkpoint.model_config(**overrides)
         check_memory(cfg, weights=True)  # the weights and the KV pool, before reading a weight
         model = cls(cfg)  # cfg.seed is None: shapes only, no random weights drawn
-        model.load_weights(read_weights(path, cfg))
+        model.load_weights(checkpoint.read_weights(cfg))
         return model
 
     @property

@@ -3,7 +3,8 @@
 - the steps: ``STEP_NAMES``, and ``has_fix`` / ``requires_fix``, the one way a test depends on
   which step it runs (steps are cumulative: a step holds its own fix and every earlier one);
 - the test model and the oracle: ``tiny_config``, ``reference_tokens``, ``reference_model``;
-- requests: ``tokens``, ``blocks_needed``, ``life_in_rounds``, ``truncate_at``;
+- requests: ``tokens``, ``random_shared_prefix_prompts``, ``blocks_needed``,
+  ``life_in_rounds``, ``truncate_at``;
 - driving an engine: ``run_rounds``, ``log_schedules``, ``guard_against_hangs``,
   ``assert_engine_matches_reference``;
 - a step's files as they are on disk: ``step_files``, ``function_tree``, ``python_loops``;
@@ -106,6 +107,31 @@ def life_in_rounds(
 def truncate_at(output: list[int], eos: int) -> list[int]:
     """A free run's output as a request stopping at ``eos`` gives it (eos included)."""
     return output[: output.index(eos) + 1] if eos in output else output
+
+
+def random_shared_prefix_prompts(
+    rng: random.Random,
+    vocab_size: int,
+    max_prompts: int = 8,
+    max_groups: int = 3,
+    max_prefix: int = 40,
+    max_tail: int = 12,
+) -> list[list[int]]:
+    """A random prompt set for property tests: a few groups, each with its own shared prefix.
+
+    Tails may be empty and prefixes may be short or absent, so full-prompt hits, exact block
+    multiples, one-token prompts and prompts that are prefixes of others all turn up.
+    """
+
+    def draw(n: int) -> list[int]:
+        return [rng.randrange(vocab_size) for _ in range(n)]
+
+    prefixes = [draw(rng.randint(0, max_prefix)) for _ in range(rng.randint(1, max_groups))]
+    prompts = []
+    for _ in range(rng.randint(1, max_prompts)):
+        prompt = rng.choice(prefixes) + draw(rng.randint(0, max_tail))
+        prompts.append(prompt or draw(1))
+    return prompts
 
 
 # ---- driving an engine ------------------------------------------------------------------------

@@ -23,8 +23,7 @@ from pathlib import Path
 from common.config import ModelConfig
 
 from ..batch import Row, RunResult
-from ..costs import dense_kv_bytes, dense_work, model_flops
-from ..models import dtype_name
+from ..costs import dense_figures
 
 COMPUTE_TYPES = ("float32", "float16", "bfloat16")  # the model dtypes CTranslate2 computes in
 # CTranslate2's Llama converter drops rope_scaling's original_max_position_embeddings, and its
@@ -35,8 +34,7 @@ WARM = ("CTranslate2 (warm prefix)", "the same, the static prompt's state cached
 
 
 def rows(twin, cfg: ModelConfig, prompts, workload, threads: int, timed) -> list[Row]:
-    """The cold and warm rows (each warmed up once, untimed; no warm row without a shared
-    prefix)."""
+    """The cold and warm rows, each warmed up (no warm row without a shared prefix)."""
     generator = load_generator(twin, cfg, threads)
     shared = workload.prefix_len
     made = [timed(*COLD, static_prompt_run(generator, cfg, prompts, workload, shared, False), True)]
@@ -51,8 +49,8 @@ def available(cfg: ModelConfig) -> bool:
     why_not = None
     if importlib.util.find_spec("ctranslate2") is None:
         why_not = "pip install -e '.[peers]' to add them"
-    elif dtype_name(cfg) not in COMPUTE_TYPES:
-        why_not = f"it computes in {', '.join(COMPUTE_TYPES)}, not {dtype_name(cfg)}"
+    elif cfg.dtype_name not in COMPUTE_TYPES:
+        why_not = f"it computes in {', '.join(COMPUTE_TYPES)}, not {cfg.dtype_name}"
     elif cfg.rope_scaling and cfg.rope_scaling.original_max_position_embeddings != LLAMA3_CONTEXT:
         why_not = (
             f"its converter takes llama3 RoPE scaling to start from {LLAMA3_CONTEXT} positions, "
@@ -72,12 +70,12 @@ def load_generator(twin, cfg: ModelConfig, threads: int):
     with tempfile.TemporaryDirectory() as folder, quiet_transformers():
         source, target = Path(folder) / "hf", Path(folder) / "ct2"
         twin.save_pretrained(source)
-        convert(source, target, cfg.vocab_size, dtype_name(cfg))
+        convert(source, target, cfg.vocab_size, cfg.dtype_name)
         return ctranslate2.Generator(
             str(target),
             device=device,
             device_index=int(index or 0),
-            compute_type=dtype_name(cfg),
+            compute_type=cfg.dtype_name,
             intra_threads=threads,
             inter_threads=1,
         )
@@ -86,12 +84,11 @@ def load_generator(twin, cfg: ModelConfig, threads: int):
 def static_prompt_run(
     generator, cfg: ModelConfig, prompts, workload, shared: int, cached: bool
 ) -> Callable[[], RunResult]:
-    """A function that generates ``max_new_tokens`` for every prompt in one batch, the first
-    ``shared`` tokens given as the static prompt (its state ``cached`` across calls or not)."""
+    """One batch of every prompt, the first ``shared`` tokens the static prompt (``cached``)."""
     static = [str(t) for t in prompts[0][:shared]] or None
     tails = [[str(t) for t in prompt[shared:]] for prompt in prompts]
     batch, prompt_len, new = len(prompts), len(prompts[0]), workload.max_new_tokens
-    work = dense_work(batch, prompt_len, new, shared, shared_cached=cached)
+    figures = dense_figures(cfg, batch, prompt_len, new, shared, shared_cached=cached)
 
     def run() -> RunResult:
         start = time.perf_counter()
@@ -103,14 +100,8 @@ def static_prompt_run(
             end_token=[],  # no end token: every answer runs to its length, as the steps'
             include_prompt_in_result=False,
         )
-        return RunResult(
-            [result.sequences_ids[0] for result in results],
-            time.perf_counter() - start,
-            computed_prefill_tokens=(0 if cached else shared) + batch * (prompt_len - shared),
-            computed_decode_tokens=batch * (new - 1),
-            kv_peak_bytes=dense_kv_bytes(cfg, batch, prompt_len, new),
-            flops=model_flops(cfg, work),
-        )
+        outputs = [result.sequences_ids[0] for result in results]
+        return RunResult(outputs, time.perf_counter() - start, **figures)
 
     return run
 
@@ -143,8 +134,7 @@ class IdVocabulary:
 
 @contextmanager
 def quiet_transformers() -> Iterator[None]:
-    """No progress bar or info line from transformers while the twin is saved and read back:
-    the bench's output is its own lines."""
+    """No progress bar or info line from transformers while the twin is saved and read."""
     from transformers.utils import logging
 
     verbosity = logging.get_verbosity()

@@ -17,7 +17,7 @@ from common.config import ModelConfig
 from common.device import synchronize
 
 from ..batch import Row, RunResult
-from ..costs import dense_kv_bytes, dense_work, model_flops
+from ..costs import dense_figures
 
 NAME, WHAT = "HF generate", "transformers LlamaForCausalLM.generate, batched"
 
@@ -37,7 +37,7 @@ def generate_run(
     """A function that runs one batched greedy ``generate`` of exactly ``new_tokens`` tokens."""
     input_ids = torch.tensor(prompts, device=cfg.device)
     batch, prompt_len = input_ids.shape
-    work = dense_work(batch, prompt_len, new_tokens)
+    figures = dense_figures(cfg, batch, prompt_len, new_tokens)
 
     def run() -> RunResult:
         start = time.perf_counter()
@@ -50,13 +50,6 @@ def generate_run(
                 attention_mask=torch.ones_like(input_ids),
             )
         synchronize(cfg.device)
-        return RunResult(
-            out[:, prompt_len:].tolist(),
-            time.perf_counter() - start,
-            computed_prefill_tokens=batch * prompt_len,
-            computed_decode_tokens=batch * (new_tokens - 1),
-            kv_peak_bytes=dense_kv_bytes(cfg, batch, prompt_len, new_tokens),
-            flops=model_flops(cfg, work),
-        )
+        return RunResult(out[:, prompt_len:].tolist(), time.perf_counter() - start, **figures)
 
     return run

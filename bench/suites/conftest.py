@@ -1,13 +1,9 @@
 """pytest settings for the benchmark suites (``python -m pytest bench/suites/...``).
 
-Runs saved with ``--benchmark-autosave`` or ``--benchmark-save=NAME`` go to ``bench/results/``,
-next to what ``python -m bench`` writes, instead of pytest-benchmark's ``.benchmarks/`` in the
-current directory; so ``--benchmark-compare`` finds them from wherever pytest was started. An
-explicit ``--benchmark-storage`` still wins.
-
-Torch runs one thread, as ``python -m bench`` does by default and for the same measured reason
-(README, Benchmarks: on a busy 2-core machine two threads made single runs up to 100x
-slower); ``--torch-threads N`` changes it (0: torch's default, one per core).
+Saved runs go to ``bench/results/`` beside ``python -m bench``'s, not to pytest-benchmark's
+``.benchmarks/`` in the current folder, so ``--benchmark-compare`` finds them from anywhere
+(an explicit ``--benchmark-storage`` still wins). Torch runs one thread, as ``python -m bench``
+does, for the same measured reason; ``--torch-threads N`` changes it.
 """
 
 from __future__ import annotations

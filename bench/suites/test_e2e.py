@@ -18,10 +18,11 @@ import pytest
 
 from bench.batch import BatchRunner
 from bench.models import bench_config, load_step_model
+from bench.reference import Reference
 from bench.workloads.pressure import Pressure
 from bench.workloads.shared_prefix import SharedPrefix
 from common.config import preset
-from common.front.steps import STEPS, available_steps, load_step
+from common.front.steps import available_steps, load_step
 from common.front.workload import PRESSURE_EOS_AT, shared_prefix_prompts
 from common.reference import ReferenceModel, reference_generate
 
@@ -37,10 +38,8 @@ def expected_tokens() -> list[list[int]]:
     return reference_generate(ReferenceModel(CFG), prompts, WORKLOAD.max_new_tokens)
 
 
-@pytest.mark.parametrize("step_name", STEPS)
+@pytest.mark.parametrize("step_name", available_steps())
 def test_end_to_end(benchmark, step_name: str) -> None:
-    if step_name not in available_steps():
-        pytest.skip(f"{step_name} does not exist yet")
     runner = BatchRunner(load_step_model(step_name, CFG))
     prompts = WORKLOAD.prompts(CFG.vocab_size)
     benchmark.group = "end to end"
@@ -49,12 +48,10 @@ def test_end_to_end(benchmark, step_name: str) -> None:
     assert result.outputs == expected_tokens()
 
 
-@pytest.mark.parametrize("step_name", STEPS)
+@pytest.mark.parametrize("step_name", available_steps())
 def test_end_to_end_warm_prefix(benchmark, step_name: str) -> None:
     """The same requests after one earlier request put the shared prefix in the cache: each
     round gets a fresh engine and its own warm-up (``setup``, untimed), then the timed serve."""
-    if step_name not in available_steps():
-        pytest.skip(f"{step_name} does not exist yet")
     runner = BatchRunner(load_step_model(step_name, CFG))
     prompts = WORKLOAD.prompts(CFG.vocab_size)
     earlier = WORKLOAD.earlier_prompt(CFG.vocab_size)
@@ -73,12 +70,10 @@ HASH_PAIR = ("step14_4", "step14_5")
 LONG_PROMPT_BLOCKS = 256
 
 
-@pytest.mark.parametrize("step_name", HASH_PAIR)
+@pytest.mark.parametrize("step_name", [s for s in HASH_PAIR if s in available_steps()])
 def test_long_prompt_hashing(benchmark, step_name: str) -> None:
     """step14_5's fix in isolation: one cold 4096-token prompt through the tiny model, where
     re-hashing the chain for every block (O(n^2) links) is a visible part of the request."""
-    if step_name not in available_steps():
-        pytest.skip(f"{step_name} does not exist yet")
     cfg = preset("tiny", block_size=16, total_blocks=LONG_PROMPT_BLOCKS + 2)
     step = load_step(step_name)
     model = step.TinyTransformerPaged(cfg)
@@ -105,20 +100,15 @@ PRESSURE_CFG = bench_config(PRESSURE, "demo", block_size=4)  # python -m bench's
 def pressure_requests() -> tuple[Pressure, list[list[int]], list[list[int]]]:
     """The workload with one eos per request (a token of the reference's own answer, as the
     bench picks it), its prompts, and the reference's tokens, each stopped at its eos."""
-    model = reference_model_for(PRESSURE_CFG)
-    prompts = PRESSURE.prompts(PRESSURE_CFG.vocab_size)
-    workload = PRESSURE.with_eos(reference_generate(model, prompts, PRESSURE_EOS_AT[1] + 1))
-    new = workload.max_new_tokens
-    expected = [reference_generate(model, [p], new, e)[0] for p, e in zip(prompts, workload.eos)]
-    return workload, prompts, expected
+    reference, prompts = Reference(PRESSURE_CFG, None), PRESSURE.prompts(PRESSURE_CFG.vocab_size)
+    workload = PRESSURE.with_eos(reference.tokens(prompts, PRESSURE_EOS_AT[1] + 1))
+    return workload, prompts, reference.tokens(prompts, workload.max_new_tokens, workload.eos)
 
 
-@pytest.mark.parametrize("step_name", STEPS)
+@pytest.mark.parametrize("step_name", available_steps())
 def test_memory_pressure(benchmark, step_name: str) -> None:
     """Memory on demand in a pool where reserving each request's worst case would run two at
     a time: at least four per round on average, the reference's tokens."""
-    if step_name not in available_steps():
-        pytest.skip(f"{step_name} does not exist yet")
     workload, prompts, expected = pressure_requests()
     runner = BatchRunner(load_step_model(step_name, PRESSURE_CFG))
     benchmark.group = "memory pressure"

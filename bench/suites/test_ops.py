@@ -19,6 +19,7 @@ import torch
 
 from common.config import preset
 from common.front.steps import available_steps, load_step
+from common.numbers import cdiv
 
 CFG = preset("bench", total_blocks=(4096 + 256) // 16 + 8)
 CASES = [(t, ctx) for ctx in (512, 4096) for t in (1, 16, 256)]
@@ -44,7 +45,7 @@ def model_of(step_name: str) -> torch.nn.Module:
 def shuffled_block_table(num_tokens: int) -> list[int]:
     table = list(range(CFG.total_blocks))
     random.Random(0).shuffle(table)
-    return table[: -(-num_tokens // CFG.block_size)]
+    return table[: cdiv(num_tokens, CFG.block_size)]
 
 
 def heads(n: int) -> torch.Tensor:

@@ -41,9 +41,8 @@ HELP = __doc__.split("\n\n")[0]
 
 @dataclass(frozen=True)
 class Pressure:
-    """Short unrelated prompts whose answers stop at their own ``eos`` (one id per request,
-    picked from the reference's answers: ``with_eos``) long before ``max_new_tokens``, in a
-    small pool."""
+    """Short unrelated prompts whose answers stop at their own ``eos`` (``with_eos``) long
+    before ``max_new_tokens``, in a small pool."""
 
     num_requests: int = 24
     max_new_tokens: int = 64
@@ -72,8 +71,7 @@ class Pressure:
         return self.total_blocks
 
     def with_eos(self, answers: list[list[int]]) -> Pressure:
-        """One eos id per request, from ``answers``: the dense reference's first tokens of
-        each prompt (``pressure_eos``)."""
+        """One eos id per request, from the reference's ``answers`` (``pressure_eos``)."""
         return replace(self, eos=tuple(pressure_eos(answers, self.seed)))
 
 
@@ -91,8 +89,7 @@ def check(options: BenchOptions) -> None:
 
 
 def run(options: BenchOptions, progress: Progress) -> int:
-    """The step rows, the table and its reservation line, ``results.json``; 0 when every row
-    gives the reference's tokens, each request stopped at its own eos."""
+    """The step rows, the table, ``results.json``; 0 when every row gives the same tokens."""
     batch = BatchRun(options, workload_of(options), progress)
     with batch.phase("picking eos"), progress.task("dense reference: picking eos ids"):
         workload = pick_eos(workload_of(options), batch.prompts, batch.reference)

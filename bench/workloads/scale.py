@@ -42,7 +42,7 @@ from ..cells import Cell, markdown
 from ..models import StepModel, check_workload_memory, load_step_model, model_config
 from ..options import BenchOptions
 from ..progress import Progress
-from ..reference import Reference
+from ..reference import reference_tokens
 from ..saved import saved_run_head, write_json
 
 NAME = "scale"
@@ -106,8 +106,7 @@ class Point:
 
 @dataclass
 class ScaleRun:
-    """One run: milliseconds per request (total, and the engine's own), what the engine
-    reported, and the tokens."""
+    """One run: ms per request (total, and the engine's own), its figures, its tokens."""
 
     total_ms: float
     engine_ms: float
@@ -139,11 +138,9 @@ def check(options: BenchOptions) -> None:
 
 def fill_cache(step, manager, num_blocks: int, hold: bool = False) -> list:
     """Put ``num_blocks`` blocks in ``manager``'s prefix cache the way requests leave them:
-    each filler request allocates a chain of ``FILLER_CHAIN`` blocks and caches each block
-    once full, then lets go (``free``: its blocks are the cache's alone, evictable), or with
-    ``hold`` keeps holding them, as a request still running does (they are returned). Their
-    token ids lie beyond every vocabulary: no real prompt can match them. What it reads of the
-    pool is the figures ``EngineStats`` reads (``pool_figures``)."""
+    each filler request caches a chain of ``FILLER_CHAIN`` full blocks, then lets go (its
+    blocks are the cache's alone, evictable), or with ``hold`` keeps holding them, as a running
+    request does (they are returned)."""
     block_size, held, pool = manager.block_size, [], manager.pool_figures()
     if num_blocks > pool["blocks_free"]:  # it would evict what it just cached
         raise ValueError(
@@ -166,9 +163,8 @@ def fill_cache(step, manager, num_blocks: int, hold: bool = False) -> list:
 @contextmanager
 def model_clock(model: torch.nn.Module) -> Iterator[list[float]]:
     """The seconds spent in the model while the block runs, from each call's embedding
-    lookup to its logits (forward hooks on the model's first and last modules: nothing is
-    patched). What is left of a run's time is the engine's own: scheduling, block bookkeeping,
-    hashing, and the glue around each model call."""
+    lookup to its logits (forward hooks: nothing is patched). The rest of a run is the
+    engine's own: scheduling, block bookkeeping, hashing, the glue around each model call."""
     spent, started, device = [0.0], [0.0], model.cfg.device
 
     def start(module: torch.nn.Module, args: tuple) -> None:
@@ -191,8 +187,7 @@ def model_clock(model: torch.nn.Module) -> Iterator[list[float]]:
 
 
 def run_once(model: StepModel, point: Point, prompts, workload: ScaleWorkload) -> ScaleRun:
-    """``prompts`` once through a fresh engine (its cache filled first, untimed, in the cached
-    sweep): the time per request, and the engine's figures."""
+    """``prompts`` once through a fresh engine (its cache filled first in the cached sweep)."""
     engine = model.engine(max_running=workload.max_running)
     if point.sweep == CACHED:
         fill_cache(model.step, engine.kv_cache_manager, point.size)
@@ -209,8 +204,7 @@ def run_once(model: StepModel, point: Point, prompts, workload: ScaleWorkload) -
 
 
 def run_sweeps(cfg, workload: ScaleWorkload, options: BenchOptions, progress: Progress) -> list:
-    """Every step at every size of both sweeps, ``--repeats`` times round, one model (and one
-    KV pool) at a time."""
+    """Every step at every size, ``--repeats`` times round, one model (and pool) at a time."""
     prompts = workload.prompts(cfg.vocab_size)
     points = [Point(REQUESTS, n, n) for n in workload.requests]
     points += [Point(CACHED, c, workload.cache_requests) for c in workload.cached]
@@ -227,8 +221,8 @@ def run_sweeps(cfg, workload: ScaleWorkload, options: BenchOptions, progress: Pr
 
 
 def check_cells(cells: list[ScaleCell], expected: list[list[int]] | None) -> list[str]:
-    """What is wrong with the cells: tokens that differ from the reference, or from the first
-    step's at the same point, or stats that differ between steps. Empty: all agree."""
+    """Tokens that differ from the reference or from the first step's at the same point, and
+    stats that differ between steps. Empty: all agree."""
     problems, first = [], {}
     for cell in cells:
         p = cell.setting
@@ -253,14 +247,12 @@ def sweep_of(cells: list[ScaleCell], sweep: str) -> dict[str, dict[int, ScaleCel
 
 
 def growth(by_size: dict[int, ScaleCell]) -> float:
-    """A step's time per request at the largest size over the smallest: above 1, the cost
-    per request grows with the size."""
+    """A step's time per request at the largest size over the smallest."""
     return by_size[max(by_size)].best.total_ms / by_size[min(by_size)].best.total_ms
 
 
 def verdict(by_step: dict[str, dict[int, ScaleCell]]) -> str:
-    """The line under a sweep's table: the largest growth of any step, and whether that is
-    flat (at most ``FLAT``) or a cost that grows with the size."""
+    """The line under a sweep's table: the largest growth, and whether it is flat."""
     worst = max(by_step, key=lambda step: growth(by_step[step]))
     ratio = growth(by_step[worst])
     if ratio <= FLAT:
@@ -269,8 +261,7 @@ def verdict(by_step: dict[str, dict[int, ScaleCell]]) -> str:
 
 
 def table(sweep: str, by_step: dict[str, dict[int, ScaleCell]]) -> str:
-    """One sweep: a row per step, a column per size (total ms per request, the engine's own
-    in brackets), and the growth from the smallest size to the largest."""
+    """A row per step, a column per size, and the growth from the smallest to the largest."""
     sizes = sorted({size for by_size in by_step.values() for size in by_size})
     titles = ["step", *(f"{s:,}" for s in sizes), f"{sizes[-1]:,} vs {sizes[0]:,}"]
     rows = [
@@ -286,8 +277,7 @@ def table(sweep: str, by_step: dict[str, dict[int, ScaleCell]]) -> str:
 
 
 def run(options: BenchOptions, progress: Progress) -> int:
-    """Both sweeps, their tables, ``scale.json`` and ``scale.png``; 0 when every cell's
-    tokens equal the dense reference's and every step's stats agree."""
+    """Both sweeps, their tables, ``scale.json`` and ``scale.png``; 0 when all agree."""
     workload = workload_of(options)
     largest = max(
         workload.pool_blocks(CACHED, max(workload.cached), options.block_size),
@@ -304,17 +294,12 @@ def run(options: BenchOptions, progress: Progress) -> int:
         f"{plural(options.repeats, 'run')} per cell"
     )
     cells = run_sweeps(cfg, workload, options, progress)
-    expected = None
-    if not options.no_reference:
-        with progress.task("dense reference"):
-            prompts = workload.prompts(cfg.vocab_size)
-            expected = Reference(cfg, None).tokens(prompts, workload.max_new_tokens)
+    expected = reference_tokens(options, progress, cfg, None, workload)
     return report(options, cfg, workload, cells, expected)
 
 
 def report(options: BenchOptions, cfg, workload, cells: list[ScaleCell], expected) -> int:
-    """Each sweep's table and verdict, the token and stats check, ``scale.json`` and the
-    chart."""
+    """Each sweep's table, the token and stats check, ``scale.json`` and the chart."""
     sweeps = {sweep: sweep_of(cells, sweep) for sweep in (REQUESTS, CACHED)}
     print("\n\n".join(table(sweep, by_step) for sweep, by_step in sweeps.items()))
     problems = check_cells(cells, expected)

@@ -44,7 +44,7 @@ from ..latency import RequestTimes, RunFigures, Serve, TimedRequest, poisson_arr
 from ..models import StepModel, load_step_model, load_workload_model
 from ..options import BenchOptions
 from ..progress import Progress
-from ..reference import Reference
+from ..reference import reference_tokens
 from ..saved import saved_run_head, write_json
 from . import shared_prefix
 from .shared_prefix import SharedPrefix
@@ -68,8 +68,7 @@ HELP = __doc__.split("\n\n")[0]
 @dataclass(frozen=True)
 class ServingWorkload(SharedPrefix):
     """Shared-prefix requests arriving at ``request_rate`` per second (``math.inf``: all at
-    time 0). Small by default, so that every step, cache on and off, three times round, runs
-    in a minute or two on two CPU cores with the ``demo`` model."""
+    once); small enough by default for every cell to run in a minute or two on two cores."""
 
     num_requests: int = 32
     prefix_len: int = 64
@@ -106,9 +105,8 @@ check = shared_prefix.check  # the same requests, only arriving over time
 
 
 class ServingClock:
-    """Seconds since the first arrival: the wall clock while the engine works, and a jump over
-    every idle wait (nobody waits then, so no latency changes). ``timer`` is
-    ``time.perf_counter``; a test passes a fake one."""
+    """Seconds since the first arrival, idle waits jumped over (the module's third paragraph).
+    ``timer`` is ``time.perf_counter``; a test passes a fake one."""
 
     def __init__(self, timer: Callable[[], float] = time.perf_counter) -> None:
         self.timer = timer
@@ -130,9 +128,8 @@ class ServingClock:
 
 
 def drive(engine, requests: list[TimedRequest], clock: ServingClock, device: str) -> RunFigures:
-    """Serve ``requests`` (in arrival order): each time round, add every request that has
-    arrived, run one round and note, for every request it produced a token for, the round's
-    end."""
+    """Serve ``requests`` (in arrival order): each time round, add the arrived requests, run a
+    round, and note its end for every request it gave a token."""
     times = [RequestTimes(r.arrival) for r in requests]
     tokens: list[list[int]] = [[] for _ in requests]
     waiting, index_of = deque(range(len(requests))), {}
@@ -159,8 +156,7 @@ def drive(engine, requests: list[TimedRequest], clock: ServingClock, device: str
 def engine_serve(
     model: StepModel, setting: Setting, timer: Callable[[], float] = time.perf_counter
 ) -> Serve:
-    """Serving in process: each call, a fresh engine (a cold cache) with the cell's setting,
-    driven on a clock read from ``timer``."""
+    """Serving in process: each call, a fresh engine (a cold cache) on a ``ServingClock``."""
 
     def serve(requests: list[TimedRequest]) -> RunFigures:
         engine = model.engine(
@@ -192,8 +188,7 @@ ServingCell = Cell[Setting | Endpoint, RunFigures]
 
 
 def plan(steps: tuple[str, ...], workload: ServingWorkload) -> list[ServingCell]:
-    """Every step with the prefix cache on and off, then the last step one request at a time
-    (cache on): continuous batching's baseline."""
+    """Every step, cache on and off; the last one request at a time (batching's baseline)."""
     n = workload.max_running
     cells = [ServingCell(s, Setting(s, cache, n)) for s in steps for cache in (True, False)]
     if n > 1:
@@ -243,9 +238,8 @@ def endpoint_cell(
 
 
 def check_cells(cells: list[ServingCell], new_tokens: int, expected) -> list[str]:
-    """What is wrong, run by run: a request timed with fewer than its ``new_tokens`` tokens,
-    or tokens that differ from the dense reference's or from the first run's. Empty: all
-    agree."""
+    """What is wrong, run by run: a request timed with fewer than ``new_tokens`` tokens, or
+    tokens unlike the reference's or the first run's. Empty: all agree."""
     problems, first = [], cells[0].runs[0].outputs
     for cell in cells:
         for i, run in enumerate(cell.runs):
@@ -268,14 +262,12 @@ TITLES += ["tokens/s", "engine busy", "prefix reuse"]
 
 
 def ms(seconds: float | None) -> str:
-    """Milliseconds, one decimal; ``-`` for a figure that does not exist (no TPOT when every
-    answer is one token)."""
+    """Milliseconds, one decimal; ``-`` for none (no TPOT when every answer is one token)."""
     return "-" if seconds is None else f"{seconds * 1000:.1f}"
 
 
 def table(cells: list[ServingCell]) -> str:
-    """The Markdown table: a row per cell, the figures of its best run; ``!`` after the busy
-    share when its runs' busy times were more than ``SPREAD_FLAG`` apart."""
+    """A row per cell, its best run's figures; ``!``: its busy times were far apart."""
     rows = []
     for cell in cells:
         run = cell.best
@@ -329,8 +321,8 @@ def endpoint_note(cells: list[ServingCell]) -> list[str]:
 
 
 def save(options, cfg, workload: ServingWorkload, cells: list[ServingCell], same: bool) -> str:
-    """``serving.json``: the settings, the arrival times, and every run of every cell with
-    every request's TTFT and TPOT (the percentiles can be recomputed from them)."""
+    """``serving.json``: the settings, the arrivals, every run with every request's TTFT and
+    TPOT (the percentiles can be recomputed from them)."""
     rate = "inf" if math.isinf(workload.request_rate) else workload.request_rate  # JSON has no inf
     data = {
         **saved_run_head(cfg, {"kind": NAME, **asdict(workload), "request_rate": rate}, options),
@@ -359,8 +351,7 @@ def cell_setting(setting: Setting | Endpoint) -> dict[str, object]:
 
 
 def run(options: BenchOptions, progress: Progress) -> int:
-    """Every cell, the table, ``serving.json``; 0 when every cell's tokens equal the dense
-    reference's (or each other's, with --no-reference)."""
+    """Every cell, the table, ``serving.json``; 0 when all tokens agree."""
     workload = workload_of(options)
     if options.endpoint is not None:
         check_reachable(options.endpoint)
@@ -372,11 +363,7 @@ def run(options: BenchOptions, progress: Progress) -> int:
         f"{plural(options.repeats, 'run')}, each through a fresh engine (a cold cache)"
     )
     cells = run_cells(cfg, weights, workload, options, progress)
-    expected = None
-    if not options.no_reference:
-        with progress.task("dense reference"):
-            prompts = workload.prompts(cfg.vocab_size)
-            expected = Reference(cfg, weights).tokens(prompts, workload.max_new_tokens)
+    expected = reference_tokens(options, progress, cfg, weights, workload)
     print(table(cells))
     print(notes(cells, options.repeats))
     problems = check_cells(cells, workload.max_new_tokens, expected)

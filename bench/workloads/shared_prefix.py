@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.front.workload import bench_prompts
+from common.front.workload import shared_prefix_prompts
 from common.numbers import cdiv
 
 from ..batch import BatchRunner, Row
@@ -42,8 +42,7 @@ NOT_READ = "draws its own prompts"  # never said: it reads every flag but a swee
 
 @dataclass(frozen=True)
 class SharedPrefix:
-    """``num_requests`` prompts, each a ``prefix_len``-token shared prefix + ``tail_len``
-    tokens of its own, ``max_new_tokens`` new tokens each, ``max_running`` at once."""
+    """``num_requests`` prompts, a shared prefix + a tail each (``describe`` says it all)."""
 
     num_requests: int = 16
     prefix_len: int = 256
@@ -58,7 +57,7 @@ class SharedPrefix:
         """The requests' prompts (``count`` of them: the first ones are the same whatever the
         count, since the prefix is drawn first, then one tail per request)."""
         n = count or self.num_requests
-        return bench_prompts(n, self.prefix_len, self.tail_len, vocab_size, self.seed)
+        return shared_prefix_prompts(n, self.prefix_len, self.tail_len, vocab_size, self.seed)
 
     def prompt_lengths(self) -> list[int]:
         return [self.prefix_len + self.tail_len] * self.num_requests
@@ -71,8 +70,7 @@ class SharedPrefix:
         )
 
     def earlier_prompt(self, vocab_size: int) -> list[int]:
-        """One more request behind the same prefix, with a tail of its own: the "earlier
-        traffic" that warms the cache before the timed requests arrive."""
+        """One more request behind the prefix: the traffic that warms the cache first."""
         return self.prompts(vocab_size, self.num_requests + 1)[-1]
 
     def pool_blocks(self, block_size: int) -> int:
@@ -120,9 +118,8 @@ def run(options: BenchOptions, progress: Progress) -> int:
 def last_step_variants(
     batch: BatchRun, runner: BatchRunner, last: str, workload: SharedPrefix
 ) -> list[Row]:
-    """The last step on a server that has seen the prefix before (one earlier request,
-    untimed, through the same engine, put it in the cache), and with its cache off: what the
-    prefix cache itself buys."""
+    """The last step with the prefix cached by an earlier request, and with its cache off:
+    what the prefix cache itself buys."""
     prompts, earlier = batch.prompts, workload.earlier_prompt(batch.cfg.vocab_size)
     warm = batch.timed(
         f"{last} (warm prefix)",

@@ -58,8 +58,7 @@ seed_int = int_range(0, 2**63 - 1)  # what torch.Generator.manual_seed takes
 
 
 def dtype_name(text: str) -> str:
-    """A dtype the model can be built in (``float32``, ``bfloat16``, ...), or ``auto``: with a
-    checkpoint, the dtype its files are stored in."""
+    """A dtype the model can be built in, or ``auto``: a checkpoint's stored one."""
     if text not in DTYPES and text != "auto":
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a dtype; choose from {', '.join(DTYPES)}, or auto (a checkpoint's)"
@@ -96,12 +95,8 @@ def device_name(text: str) -> str:
 
 
 def writable_folder(text: str) -> str:
-    """A folder to write results in: one that exists, or can be made, and takes a file.
-
-    Checked when the flags are read, by writing (and removing) a temporary file in the
-    folder or in its nearest existing parent, so that a run never does all its work and then
-    fails to save it. Nothing is created here.
-    """
+    """A folder to write results in, probed with a temporary file (in it, or in its nearest
+    parent) when the flags are read: a run never does all its work and then fails to save."""
     folder = Path(text).expanduser()
     existing = folder
     while not existing.exists():
@@ -218,8 +213,7 @@ def number_in(
 
 
 def add_dtype_flag(parser: argparse.ArgumentParser) -> None:
-    """``--dtype``: one of ``DTYPES``, or ``auto``, a checkpoint's own (checked with the other
-    flags, since ``auto`` needs ``--model DIR``)."""
+    """``--dtype``: one of ``DTYPES``, or ``auto``, a checkpoint's own."""
     parser.add_argument(
         "--dtype",
         type=dtype_name,
@@ -233,16 +227,17 @@ def add_dtype_flag(parser: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """The engine flags, read once into their types: where the model runs, the KV pool's shape,
-    the running set, and the seed. ``run.py`` (demo and text) and the server take them all; the
-    bench takes those its workloads read."""
+    """The engine flags, read once into their types (the bench takes those its workloads
+    read)."""
 
     device: str = "cpu"
     dtype: str = "float32"  # a DTYPES name, or "auto" (a checkpoint's stored dtype)
     block_size: int = 16
     total_blocks: int | None = 512  # None: the command sizes the pool itself
     max_running: int = 8
-    threads: int = 1  # torch CPU threads; 0: torch's default, one per core
+    # torch CPU threads; 0: torch's default, one per core. One by default: on a machine that
+    # other programs share, two threads wait for each other at every small matmul (50x slower).
+    threads: int = 1
     seed: int = 0
     max_model_len: int | None = None  # None: a checkpoint's max_position_embeddings
     no_memory_check: bool = False
@@ -254,8 +249,7 @@ class EngineOptions:
         return cls(**given)
 
     def model_overrides(self) -> dict[str, object]:
-        """The options that build the model (``from_pretrained``'s overrides, a preset's
-        changes): where it runs, its dtype, its KV pool and context; None keeps the config's."""
+        """The options that build the model (``from_pretrained``'s overrides; None: keep)."""
         return {
             name: getattr(self, name) for name in MODEL_OPTIONS if getattr(self, name) is not None
         }
@@ -300,10 +294,8 @@ ENGINE_FLAGS: dict[str, tuple[Callable[[str], object], str, str]] = {
 def add_engine_flags(
     parser: argparse.ArgumentParser, omit: tuple[str, ...] = (), **defaults: object
 ) -> None:
-    """``--device``, ``--dtype``, ``--block-size``, ``--total-blocks``, ``--max-running``,
-    ``--threads``, ``--seed``, ``--max-model-len`` and ``--no-memory-check``, defined here once
-    for every command, with ``EngineOptions``' defaults unless ``defaults`` changes one; the
-    names in ``omit`` are left out (a command that has no use for them)."""
+    """Every ``EngineOptions`` field as a flag, defined here once for every command, with its
+    default unless ``defaults`` changes it; those in ``omit`` left out."""
     base = EngineOptions()
     for dest in (f.name for f in fields(EngineOptions)):
         if dest in omit:

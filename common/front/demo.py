@@ -12,13 +12,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Protocol
+from typing import Any
 
 import torch
 
 from ..config import PRESETS, ModelConfig, preset
 from ..device import synchronize
-from ..errors import RequestError, report_user_errors
+from ..errors import RequestError
 from ..inputs import blocks_for_request, check_fits_pool
 from ..memory import check_memory
 from ..reference import ReferenceModel, reference_generate
@@ -104,8 +104,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
 
 def read_options(parser: argparse.ArgumentParser, argv: list[str]) -> DemoOptions:
-    """The flags, checked (a bad one exits 2 with one ``error:`` line) and read, before any
-    model is built: also whether the pool holds the longest demo request."""
+    """The flags, checked and read before any model is built (the pool against the longest
+    request too)."""
     args = parser.parse_args(argv)
     trace = trace_options(parser, args)
     if args.trace_round is not None and not trace.wanted:
@@ -164,34 +164,17 @@ def token_check(
     return True, f"{text}: {same}/{len(want)} requests {WARNING}"
 
 
-class Engine(Protocol):
-    """What the demo uses of a step's ``PagedPrefixCacheEngine`` (every step has all of it)."""
-
-    model: torch.nn.Module
-
-    @property
-    def stats(self) -> EngineStats: ...
-
-    def reset_stats(self) -> None: ...
-
-    def ref_count_problems(self) -> list[str]: ...
-
-
 @dataclass
 class Round:
-    """One round of the demo: its outputs, the engine's figures after it, and what was wrong
-    with the pool at rest after it (``ref_count_problems``), where that was checked."""
+    """One round of the demo: its outputs, the engine's figures, the pool's problems at rest."""
 
     outputs: list[list[int]]
     stats: EngineStats
     problems: list[str] = field(default_factory=list)
 
 
-def timed_round(
-    label: str, engine: Engine, run: Generate, prompts: list[list[int]], n: int
-) -> Round:
-    """Serve ``prompts`` once through ``run`` (a method of ``engine``, any step's
-    ``PagedPrefixCacheEngine``) and print one line: time, hits, computed tokens."""
+def timed_round(label: str, engine: Any, run: Generate, prompts: list[list[int]], n: int) -> Round:
+    """Serve ``prompts`` once through ``run`` (a method of ``engine``) and print one line."""
     engine.reset_stats()
     start = time.perf_counter()
     outputs = run(prompts, n)
@@ -235,8 +218,8 @@ def what_preemption_cost(roomy: EngineStats, small: EngineStats) -> str:
             "first chunk fit."
         )
     text = (
-        f"In the small pool, {small.preemptions} preemption{'' if small.preemptions == 1 else 's'} "
-        f"cost {extra} more computed token{'' if extra == 1 else 's'} than with room to spare "
+        f"In the small pool, {plural(small.preemptions, 'preemption')} cost "
+        f"{plural(extra, 'more computed token')} than with room to spare "
         f"({small.computed_tokens} vs {roomy.computed_tokens}): a preempted request gives its "
         f"blocks back but its full blocks stay cached, and {small.resumed_cached_tokens} tokens "
         f"came back from the cache when the preempted requests resumed."
@@ -251,13 +234,8 @@ def warm_up(step: ModuleType, model: torch.nn.Module, prompt: list[int]) -> None
 
 
 def run(step_name: str, options: DemoOptions) -> int:
-    """The demo: its rounds, its checks, and the trace when asked. Its exit status is its
-    checks' (1 when one fails); a pool the machine cannot hold is one ``error:`` line."""
+    """The demo: its rounds, its checks (the exit status), and the trace when asked."""
     options.engine.set_threads()
-    return report_user_errors(f"python -m {step_name}.run", lambda: run_demo(step_name, options))
-
-
-def run_demo(step_name: str, options: DemoOptions) -> int:
     step, cfg = load_step(step_name), options.config()
     check_memory(cfg)  # before the banner: a pool the machine cannot hold is the only line
     prompts = demo_prompts(cfg.vocab_size, cfg.block_size)
@@ -275,10 +253,10 @@ def run_demo(step_name: str, options: DemoOptions) -> int:
 
 
 def banner(step_name: str, cfg: ModelConfig, num_prompts: int, n_new: int) -> str:
-    dtype, threads = str(cfg.dtype).removeprefix("torch."), torch.get_num_threads()
+    threads = torch.get_num_threads()
     return (
         f"{step_name}: {num_prompts} requests sharing a {3 * cfg.block_size}-token prefix, "
-        f"{plural(n_new, 'new token')} each ({cfg.device}, {dtype}, "
+        f"{plural(n_new, 'new token')} each ({cfg.device}, {cfg.dtype_name}, "
         f"block_size={cfg.block_size}, {cfg.total_blocks} blocks; torch {torch.__version__}, "
         f"{plural(threads, 'thread')})\n"
     )
@@ -299,8 +277,7 @@ class DemoRounds:
 def run_rounds(
     step: ModuleType, cfg: ModelConfig, prompts: list[list[int]], options: DemoOptions
 ) -> DemoRounds:
-    """The chapter's rounds, each printed as it ends: cold, hot, cache off, batched; then the
-    dense reference on the same prompts. The ref-count check is taken at rest after hot."""
+    """The chapter's rounds, each printed as it ends, then the dense reference's tokens."""
     n_new, engine_cls = options.max_new_tokens, step.PagedPrefixCacheEngine
     max_running = options.engine.max_running
     with torch.inference_mode():
@@ -336,8 +313,7 @@ def small_pool_config(cfg: ModelConfig, max_new_tokens: int) -> ModelConfig:
 def small_pool_round(
     step: ModuleType, model: torch.nn.Module, prompts: list[list[int]], options: DemoOptions
 ) -> Round:
-    """The batched round again, in a pool too small for the running set: memory on demand,
-    preemption of the youngest, recompute (cheap: the cache gives the full blocks back)."""
+    """The batched round in a pool too small for the running set: preemption, recompute."""
     cfg = small_pool_config(model.cfg, options.max_new_tokens)
     small = step.TinyTransformerPaged(cfg)
     small.load_state_dict(model.state_dict())  # the same weights, a smaller KV pool
@@ -396,7 +372,7 @@ def print_checks(cfg: ModelConfig, rounds: DemoRounds) -> int:
     for line in problems[:10]:
         print("   ", line)
     if any(line.endswith(WARNING) for _, line in checks):
-        print(REDUCED_PRECISION_NOTE.format(dtype=str(cfg.dtype).removeprefix("torch.")))
+        print(REDUCED_PRECISION_NOTE.format(dtype=cfg.dtype_name))
     return 0 if all(ok for ok, _ in checks) else 1
 
 
@@ -404,8 +380,8 @@ def print_checks(cfg: ModelConfig, rounds: DemoRounds) -> int:
 
 
 def traced_round(step: ModuleType, cfg: ModelConfig, options: DemoOptions) -> list[RoundTrace]:
-    """The round ``--trace-round`` names, run once more through a traced engine (after the timed
-    rounds, so that tracing costs them nothing): its ``RoundTrace`` records."""
+    """The round ``--trace-round`` names, once more, traced (so tracing costs the timed ones
+    nothing)."""
     if options.trace_round == "small-pool":
         cfg = small_pool_config(cfg, options.max_new_tokens)
     prompts = demo_prompts(cfg.vocab_size, cfg.block_size)

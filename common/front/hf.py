@@ -10,23 +10,21 @@ Needs ``transformers`` (``pip install -e '.[hf]'``), imported only when called.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from ..checkpoint import REQUIRED_FIELDS
 from ..config import ModelConfig
 from ..weights import make_state_dict
 
 
 def default_max_positions(cfg: ModelConfig) -> int:
-    """A ``max_position_embeddings`` for a config that comes without one (the seeded presets).
-
-    Neither our model nor HF's Llama computes anything from it (the ``llama3`` scaling reads
-    its own ``original_max_position_embeddings``), but transformers checks it: it must exceed
-    the scaling's original context, or a warning lands in the middle of the output. A llama3
-    model's context is the original one stretched by the scaling's factor.
-    """
+    """A ``max_position_embeddings`` for a config without one (the presets). No Llama computes
+    anything from it, but transformers warns unless it exceeds a llama3 scaling's original
+    context: that context stretched by the scaling's factor."""
     if cfg.rope_scaling is None:
         return 8192
     scaling = cfg.rope_scaling
@@ -34,29 +32,14 @@ def default_max_positions(cfg: ModelConfig) -> int:
 
 
 def hf_config_dict(cfg: ModelConfig, max_position_embeddings: int | None = None) -> dict[str, Any]:
-    """``cfg`` as the keyword arguments of ``LlamaConfig`` (the fields of a ``config.json``).
-
-    RoPE goes in the older ``rope_theta`` + ``rope_scaling`` layout, which every transformers
-    version reads (current ones convert it to ``rope_parameters`` themselves).
-    ``max_position_embeddings``: the one given, else the checkpoint's own
-    (``cfg.max_position_embeddings``), else ``default_max_positions``.
-    """
+    """``cfg`` as the keyword arguments of ``LlamaConfig`` (the fields of a ``config.json``,
+    the inverse of ``common.checkpoint.config_from_hf``). RoPE goes in the older ``rope_theta``
+    + ``rope_scaling`` layout, which every transformers version reads."""
     scaling = None
     if cfg.rope_scaling is not None:
-        s = cfg.rope_scaling
-        scaling = {
-            "rope_type": "llama3",
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_position_embeddings,
-        }
+        scaling = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
     return {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.d_ff,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
+        **{theirs: getattr(cfg, ours) for theirs, ours in REQUIRED_FIELDS.items()},
         "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.d_head,
         "rms_norm_eps": cfg.rms_norm_eps,
@@ -84,12 +67,8 @@ def hf_llama(
     max_position_embeddings: int | None = None,
 ) -> Any:
     """A ``LlamaForCausalLM`` holding ``weights`` (default: ours from ``cfg.seed``), in
-    ``cfg.dtype`` on ``cfg.device``, in eval mode.
-
-    ``attn``: HF's attention implementation (``"eager"``: the plain matmul-softmax-matmul the
-    tests compare with; None: HF's default, ``"sdpa"``, the fast one the benchmark times).
-    ``max_position_embeddings``: the checkpoint's (see ``hf_config_dict``).
-    """
+    ``cfg.dtype`` on ``cfg.device``, in eval mode. ``attn``: HF's attention implementation
+    (``"eager"``, the plain one the tests compare with; None: HF's default, ``"sdpa"``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     extra = {} if attn is None else {"attn_implementation": attn}

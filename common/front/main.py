@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from types import ModuleType
 
-from ..errors import interrupted
+from ..errors import interrupted, report_user_errors
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,10 @@ def main(step_name: str, argv: list[str] | None = None) -> int:
     module = load(chosen)
     parser = module.build_parser(f"python -m {step_name}.run")
     refuse_strays(parser, chosen, given)
-    return module.run(step_name, module.read_options(parser, argv))
+    options = module.read_options(parser, argv)
+    # A problem with the checkpoint or a request is one ``error:`` line and exit status 1 (a
+    # traceback is left for bugs), whichever front end met it.
+    return report_user_errors(parser.prog, lambda: module.run(step_name, options))
 
 
 def run_command(step_name: str) -> int:

@@ -6,7 +6,7 @@ Chinese character or an emoji into two to four tokens of one byte each, and a Se
 tokenizer falls back to byte tokens for what its vocabulary lacks. Decoding one token at a time
 would print half a character as U+FFFD, the replacement character, and the streamed text would
 not be the answer. So the detokenizer decodes all the ids so far, exactly as the final answer is
-decoded (``text_decoder``), and hands out only the text that extends what it already handed
+decoded (``chat.text_decoder``), and hands out only the text that extends what it already handed
 out, holding it back while it ends in U+FFFD (a character still missing its last bytes). The
 pieces therefore add up to the final text, character for character.
 
@@ -26,43 +26,21 @@ pieces provably add up to the final text.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import TextIO
 
 from ..sampling import RequestOutput
-from .chat import Prompt
+from .chat import Decode, Prompt
 from .cli import plural
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) a character
 
-Decode = Callable[[list[int]], str]
-
-
-def text_decoder(tokenizer: Any) -> Decode:
-    """How every answer becomes text, streamed or not: special tokens (BOS, eos, chat markup)
-    skipped, and spaces left as the tokenizer's decoder writes them.
-
-    A ``tokenizers.Tokenizer`` (what ``tokenizer.json`` loads into) never rewrites spaces; a
-    transformers tokenizer may (``clean_up_tokenization_spaces`` turns "a ." into "a."), which
-    would change text already printed, so it is told not to.
-    """
-    if hasattr(tokenizer, "convert_ids_to_tokens"):  # a transformers tokenizer
-        return lambda ids: tokenizer.decode(
-            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
-
 
 class IncrementalDetokenizer:
-    """One request's text, handed out piece by piece as its token ids grow.
-
-    ``update(ids)`` takes all the ids so far and returns the text they add to what was already
-    handed out: "" while the text ends in the middle of a character (U+FFFD last) or, should a
-    decoder ever rewrite earlier text, until the text extends what was handed out again.
-    ``finish(ids)`` returns the rest, the end included (a U+FFFD that no later token completes
-    is what the final answer shows too).
-    """
+    """One request's text, handed out piece by piece as its token ids grow: ``update(ids)``
+    the text all the ids so far add, ``finish(ids)`` the rest, the end included (a U+FFFD
+    that no later token completes is what the final answer shows too)."""
 
     def __init__(self, decode: Decode) -> None:
         self._decode = decode
@@ -97,9 +75,7 @@ ECHO_EDGE = 60  # a long prompt is echoed as its first and last ECHO_EDGE charac
 
 
 def shorten(text: str, edge: int = ECHO_EDGE) -> str:
-    """``text`` on one line, and, when long, cut in the middle: the first and the last
-    ``edge`` characters around "… (N chars) …", so that a long prompt does not bury the
-    answers."""
+    """``text`` on one line, cut in the middle when long, so that it does not bury the answers."""
     text = text.replace("\r\n", "\n").replace("\n", " ⏎ ")
     if len(text) <= 2 * edge + 20:  # cutting would save less than the marker costs
         return text
@@ -107,8 +83,7 @@ def shorten(text: str, edge: int = ECHO_EDGE) -> str:
 
 
 def echo_prompt(prompt: Prompt) -> str:
-    """How a request is shown above its answer: the prompt, or for a conversation
-    (``--messages``) its size and last message."""
+    """A request above its answer: the prompt, or a conversation's size and last message."""
     if isinstance(prompt, str):
         return shorten(prompt)
     last = prompt[-1]
@@ -121,8 +96,7 @@ def answer_head(number: int, prompt: Prompt) -> str:
 
 
 def answer_tail(num_tokens: int, finish_reason: str | None) -> str:
-    """What ends an answer: how many tokens, and why it stopped (vLLM's ``finish_reason``:
-    "stop", an eos or stop id; "length", ``--max-new-tokens`` reached)."""
+    """What ends an answer: how many tokens, and why it stopped (vLLM's ``finish_reason``)."""
     return f"  ({plural(num_tokens, 'token')}, finish_reason={finish_reason})\n"
 
 
@@ -139,13 +113,8 @@ class _Answer:
 
 class StreamPrinter:
     """``--stream``: ``printer(index, output)`` for each ``RequestOutput`` of request
-    ``index`` (in the order of ``prompts``), as ``step()`` hands them out.
-
-    The answers appear in the order of the prompts and never mix: the first unfinished one has
-    the screen and grows token by token; the others collect their text and print it, at once,
-    when their turn comes. ``out`` (None: ``sys.stdout`` at each write) is flushed after every
-    piece, so a pipe sees the text when it is made.
-    """
+    ``index`` (in the order of ``prompts``), as ``step()`` hands them out. ``out`` (None:
+    ``sys.stdout`` at each write) is flushed after every piece: a pipe sees the text at once."""
 
     def __init__(
         self, decode: Decode, prompts: Sequence[Prompt], out: TextIO | None = None

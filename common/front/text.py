@@ -27,134 +27,20 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import check_stored_shapes, checkpoint_config, checkpoint_dir, eos_token_ids
+from ..checkpoint import Checkpoint
 from ..config import ModelConfig
-from ..errors import CheckpointError, MissingPackageError, RequestError
-from ..inputs import Request, as_eos_ids, check_request, sampling_params_per_prompt
+from ..errors import RequestError
+from ..inputs import Request, as_eos_ids, check_requests, long_context_warning
 from ..sampling import RequestOutput, SamplingParams
-from .chat import ChatTemplate, Prompt, check_messages, load_chat_template, messages_for
+from .chat import Prompt, TextCodec, check_prompts, common_prefix_len, prompt_label
 from .cli import EngineOptions, plural
 from .steps import load_step
-from .stream import Decode, answer_ids, shorten, text_decoder
+from .stream import answer_ids, shorten
 
-TOKENIZER_FILE = "tokenizer.json"
 OnOutput = Callable[[int, RequestOutput], object]  # (the prompt's index, what a round made)
 # The fields of a config that say which network it is; the others size the KV pool or choose
 # where it runs, and may differ between a loaded model and its checkpoint's config.json.
 NETWORK_FIELDS = ("vocab_size", "d_model", "num_heads", "num_kv_heads", "num_layers", "d_ff")
-
-
-def load_tokenizer(model_dir: str | Path) -> Any:
-    """The checkpoint's ``tokenizer.json`` as a ``tokenizers.Tokenizer``."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise MissingPackageError(
-            "text in/out needs the 'tokenizers' package: pip install -e '.[real]'"
-        ) from None
-    path = checkpoint_dir(model_dir) / TOKENIZER_FILE
-    if not path.is_file():
-        raise CheckpointError(
-            f"{path.parent} has no {TOKENIZER_FILE} (the fast-tokenizer file) to turn text into "
-            "token ids; copy it from where the checkpoint came from"
-        )
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as exc:  # the Rust library raises its own exception type
-        raise CheckpointError(f"{path} cannot be read as a tokenizer: {exc}") from None
-
-
-class TextCodec:
-    """A checkpoint's text side, loaded once: its tokenizer, its chat template (None when it has
-    none, or it is not wanted) and the ids that end an answer (``eos_token_ids``).
-
-    ``encode`` turns one request, a text prompt or a conversation, into the token ids the engine
-    takes; ``decode`` turns an answer's ids back into text. ``generate_text`` encodes every
-    prompt with one; a server loads one at start and encodes each request as it comes.
-    """
-
-    def __init__(
-        self, tokenizer: Any, template: ChatTemplate | None, eos_token_ids: list[int]
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.template = template
-        self.eos_token_ids = eos_token_ids
-        self.decode: Decode = text_decoder(tokenizer)
-
-    @classmethod
-    def load(cls, model_dir: str | Path, chat_template: bool = True) -> TextCodec:
-        """The tokenizer, the chat template (unless ``chat_template`` is False) and the eos ids
-        of the checkpoint in ``model_dir``."""
-        folder = checkpoint_dir(model_dir)
-        template = load_chat_template(folder) if chat_template else None
-        return cls(load_tokenizer(folder), template, eos_token_ids(folder))
-
-    def encode(self, prompt: Prompt, system: str | None = None) -> list[int]:
-        """One request as token ids: a conversation in the chat template; a text prompt in the
-        chat template too when there is one (behind ``system``, as a system message), else as
-        a plain completion (``completion_ids``)."""
-        if isinstance(prompt, list):
-            if system is not None:
-                raise RequestError(
-                    "system= is for text prompts: a conversation carries its own system message",
-                    "system",
-                )
-            return self.chat_ids(prompt)
-        if self.template is not None:
-            return self.chat_ids(messages_for(prompt, system))
-        return self.completion_ids(prompt, system)
-
-    def completion_ids(self, text: str, system: str | None = None) -> list[int]:
-        """A plain completion: ``[bos] system`` then ``text``, or ``[bos] text``.
-
-        The system prompt is encoded on its own, with the tokenizer's special tokens (BOS), and
-        the text without them: encoding ``system + text`` as one string could merge tokens
-        across the seam differently per request, and the requests would no longer share a
-        token prefix.
-        """
-        if system is None:
-            return self.tokenizer.encode(text).ids
-        tail = self.tokenizer.encode(text, add_special_tokens=False).ids
-        return self.tokenizer.encode(system).ids + tail
-
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """A conversation in the checkpoint's chat markup, ending with the assistant's header:
-        the ids transformers' ``apply_chat_template(..., add_generation_prompt=True)`` gives.
-
-        Each conversation is tokenized whole, exactly as transformers does. Requests still
-        share the tokens of a common system part: the template writes it the same way every
-        time, and its text ends at the template's own markup before each user's text begins.
-        """
-        if self.template is None:
-            raise RequestError(
-                "a conversation (--messages) is written in the checkpoint's chat template, and "
-                "none is loaded: the checkpoint has none, or chat_template=False was given",
-                "messages",
-            )
-        text = self.template.render(check_messages(messages))
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def system_tokens(self, system: str | None, prompt_ids: list[list[int]]) -> int:
-        """The tokens every request shares because of ``system``: the system prompt (BOS
-        included), or the system message in the template's markup that every request begins
-        with; 0 without a system prompt."""
-        if system is None:
-            return 0
-        if self.template is None:
-            return len(self.tokenizer.encode(system).ids)
-        message = [{"role": "system", "content": system}]
-        alone = self.template.render(message, add_generation_prompt=False)
-        system_ids = self.tokenizer.encode(alone, add_special_tokens=False).ids
-        return common_prefix_len([system_ids, *prompt_ids])
-
-
-def common_prefix_len(sequences: list[list[int]]) -> int:
-    """How many leading ids all ``sequences`` share."""
-    shortest = min(sequences, key=len)
-    for i, token in enumerate(shortest):
-        if any(seq[i] != token for seq in sequences):
-            return i
-    return len(shortest)
 
 
 @dataclass(frozen=True)
@@ -168,10 +54,6 @@ class TextOptions:
     not both, since they could disagree. ``eos_token_id``: None stops at the checkpoint's eos
     ids, an id or a collection of ids replaces them, ``()`` means none.
     ``chat_template=False`` serves plain completions even when the checkpoint has a template.
-    ``engine``: where the model runs, its KV pool, the running set, the seed that requests
-    without their own draw from, and torch's CPU threads: one by default, since on a machine
-    that other programs share two threads wait for each other at every small matmul (50x
-    slower was measured); 0 leaves torch's own setting.
     """
 
     system: str | None = None
@@ -180,6 +62,12 @@ class TextOptions:
     eos_token_id: object = None
     chat_template: bool = True
     engine: EngineOptions = field(default_factory=EngineOptions)
+
+    def __post_init__(self) -> None:
+        """``eos_token_id`` as sorted ids (checked against the vocabulary with each request)."""
+        if self.eos_token_id is not None:
+            ids = tuple(sorted(as_eos_ids(self.eos_token_id, None)))
+            object.__setattr__(self, "eos_token_id", ids)
 
 
 @dataclass
@@ -206,13 +94,14 @@ class TextResult:
 class TextRequests:
     """Requests ready to serve, checked without reading a single weight."""
 
-    folder: Path  # the checkpoint
+    checkpoint: Checkpoint
     cfg: ModelConfig  # what the model will be built with
     codec: TextCodec
     prompts: list[Prompt]
     requests: list[Request]  # one per prompt, as the engine takes it
     eos_token_ids: list[int]
     system_tokens: int
+    warning: str | None  # ``long_context_warning``'s, for a caller to show
 
 
 def generate_text(
@@ -248,113 +137,47 @@ def generate_text(
     """
     options = options or TextOptions()
     options.engine.set_threads()
-    requests = prepare_requests(model_dir, prompts, options, model)
+    checkpoint = Checkpoint.open(model_dir)
+    if model is not None:
+        check_given_model(checkpoint, model, options.engine)
+    requests = prepare_requests(checkpoint, prompts, options, model)
     step = load_step(step) if isinstance(step, str) else step
     if model is None:
-        model = step.TinyTransformerPaged.from_pretrained(requests.folder, config=requests.cfg)
+        model = step.TinyTransformerPaged.from_pretrained(checkpoint, config=requests.cfg)
     return serve(step, model, requests, options.engine, on_engine, on_output)
 
 
 def prepare_requests(
-    model_dir: str | Path,
+    model_dir: str | Path | Checkpoint,
     prompts: list[Prompt],
     options: TextOptions,
     model: torch.nn.Module | None = None,
 ) -> TextRequests:
-    """Everything but the weights, checked: the config (the model's, or the checkpoint's with
-    the engine options), the tokenizer and template, every request against the config (its
-    vocabulary, context length and KV pool), the weight files' names and shapes. The slow
-    part, loading the weights, starts only when all of this passed."""
-    prompts = check_prompt_list(prompts)
-    folder = checkpoint_dir(model_dir)
-    cfg = model_config_for(folder, model, options.engine)
-    codec = TextCodec.load(folder, options.chat_template)
-    prompt_ids = [codec.encode(prompt, options.system) for prompt in prompts]
-    eos = codec.eos_token_ids
-    if options.eos_token_id is not None:
-        eos = sorted(as_eos_ids(options.eos_token_id, cfg.vocab_size))
-    requests = check_text_requests(prompts, prompt_ids, options, eos, cfg)
-    check_stored_shapes(folder, cfg)  # the weight files' headers only: milliseconds
+    """Everything but the weights, checked, the checkpoint opened once: the config, the text
+    side, every request against the config, the weight files' names and shapes."""
+    overrides = options.engine.model_overrides()
+    checkpoint = Checkpoint.open(model_dir)
+    cfg = model.cfg if model is not None else checkpoint.model_config(**overrides)
+    codec = TextCodec.of(checkpoint, options.chat_template)
+    prompts = check_prompts(prompts)
+    prompt_ids = codec.encode_all(prompts, options.system, cfg.vocab_size)
     system_tokens = codec.system_tokens(options.system, prompt_ids)
-    return TextRequests(folder, cfg, codec, prompts, requests, eos, system_tokens)
-
-
-def check_prompt_list(prompts: object) -> list[Prompt]:
-    """``prompts`` as a list of strings or conversations (lists of chat messages); one bare
-    string is refused (it would otherwise be served as one request per character), and so is
-    an empty prompt (it asks for nothing)."""
-    if isinstance(prompts, str):
-        raise RequestError(
-            f"prompts must be a list of strings, got one str ({prompts[:40]!r}); "
-            f"for one prompt write [{prompts[:40]!r}]",
-            "prompts",
-        )
-    prompts = list(prompts)  # type: ignore[call-overload]
-    bad = [type(p).__name__ for p in prompts if not isinstance(p, (str, list))]
-    if bad:
-        raise RequestError(
-            f"prompts must be strings (or conversations: lists of chat messages), got a {bad[0]}",
-            "prompts",
-        )
-    if not prompts:
-        raise RequestError("give at least one prompt", "prompts")
-    for i, prompt in enumerate(prompts):
-        if prompt == "":
-            raise RequestError(f"prompt {i + 1} is empty: give it some text", "prompts")
-        if isinstance(prompt, list):
-            try:
-                check_messages(prompt)
-            except ValueError as exc:
-                raise RequestError(f"prompt {i + 1}: {exc}", "prompts") from None
-    return prompts
-
-
-def check_text_requests(
-    prompts: list[Prompt],
-    prompt_ids: list[list[int]],
-    options: TextOptions,
-    eos: list[int],
-    cfg: ModelConfig,
-) -> list[Request]:
-    """Every request as the engine will take it (``check_request``: its context length and the
-    KV pool among the rest), an error naming its prompt; ids outside the model's vocabulary
-    mean that the tokenizer is not the checkpoint's (a ``CheckpointError``)."""
+    labels = [prompt_label(i, prompt) for i, prompt in enumerate(prompts)]
     max_new_tokens = options.max_new_tokens
     if max_new_tokens is None and options.sampling_params is None:
         max_new_tokens = SamplingParams().max_tokens
-    params = sampling_params_per_prompt(options.sampling_params, len(prompts))
-    requests = []
-    for i, (prompt, ids, sampling) in enumerate(zip(prompts, prompt_ids, params)):
-        which = f"prompt {i + 1} ({_short(prompt)})"
-        outside = [t for t in ids if not 0 <= t < cfg.vocab_size]
-        if outside:
-            raise CheckpointError(
-                f"{which}: the tokenizer gives ids {outside[:5]} that the model's vocabulary "
-                f"(vocab_size={cfg.vocab_size}) lacks: tokenizer.json does not belong to this "
-                "checkpoint"
-            )
-        try:
-            requests.append(check_request(ids, max_new_tokens, eos, cfg, sampling))
-        except RequestError as exc:
-            exc.args = (f"{which}: {exc}",)  # the same error, and which prompt it is about
-            raise
-    return requests
+    eos = codec.eos_token_ids if options.eos_token_id is None else list(options.eos_token_id)
+    sampling, warning = options.sampling_params, long_context_warning(cfg)
+    requests = check_requests(prompt_ids, max_new_tokens, eos, cfg, sampling, labels)
+    checkpoint.check_shapes(cfg)  # the weight files' headers only: milliseconds
+    return TextRequests(checkpoint, cfg, codec, prompts, requests, eos, system_tokens, warning)
 
 
-def _short(prompt: Prompt, limit: int = 30) -> str:
-    if not isinstance(prompt, str):  # a conversation: its last message says which
-        return f"{plural(len(prompt), 'message')}, the last {_short(prompt[-1]['content'])}"
-    return repr(prompt if len(prompt) <= limit else prompt[:limit] + "...")
-
-
-def model_config_for(
-    folder: Path, model: torch.nn.Module | None, engine: EngineOptions
-) -> ModelConfig:
-    """The config the requests are checked against: the checkpoint's with the engine options,
-    or the given model's. With a model, an engine option that would build another model is
-    refused (it would be ignored), and so is a model of another network."""
-    if model is None:
-        return checkpoint_config(folder, **engine.model_overrides())
+def check_given_model(
+    checkpoint: Checkpoint, model: torch.nn.Module, engine: EngineOptions
+) -> None:
+    """A ``model=`` is built: an engine option that would build another is refused (it would
+    be ignored), and so is a model of another network."""
     defaults = EngineOptions().model_overrides()
     changed = {k: v for k, v in engine.model_overrides().items() if defaults.get(k) != v}
     if changed:
@@ -364,29 +187,15 @@ def model_config_for(
             f"{given} to from_pretrained, or leave model= out",
             "model",
         )
-    on_disk = checkpoint_config(folder)
+    on_disk = checkpoint.model_config()
     differ = [f for f in NETWORK_FIELDS if getattr(on_disk, f) != getattr(model.cfg, f)]
     if differ:
         raise RequestError(
-            f"model= does not match {folder}: {differ[0]} is "
+            f"model= does not match {checkpoint.folder}: {differ[0]} is "
             f"{getattr(model.cfg, differ[0])} in the model, {getattr(on_disk, differ[0])} in "
             "the checkpoint",
             "model",
         )
-    return model.cfg
-
-
-def long_context_warning(cfg: ModelConfig) -> str | None:
-    """A ``max_model_len`` past the positions the checkpoint was trained on is allowed (vLLM
-    allows it too, when asked), but deserves a word: the model never saw those positions."""
-    trained, limit = cfg.max_position_embeddings, cfg.max_model_len
-    if trained is None or limit is None or limit <= trained:
-        return None
-    return (
-        f"max_model_len {limit} is past the {trained} positions the checkpoint was trained on "
-        "(its max_position_embeddings): a longer request runs the model on positions it never "
-        "saw, and its text may fall apart"
-    )
 
 
 def serve(
@@ -397,12 +206,8 @@ def serve(
     on_engine: Callable[[Any], object] | None = None,
     on_output: OnOutput | None = None,
 ) -> TextResult:
-    """The checked requests through ``step``'s engine, round by round, decoded.
-
-    The engine is driven as a server drives it: every request queued with ``add_request``,
-    then ``step()`` until no work is left; each round's ``RequestOutput``s go to ``on_output``
-    as they come, and the last one of each request (``finished``) says why it ended.
-    """
+    """The checked requests through ``step``'s engine, driven as a server drives it (every
+    request queued, then ``step()`` until no work is left), decoded."""
     engine = step.PagedPrefixCacheEngine(
         model, max_running=engine_options.max_running, seed=engine_options.seed
     )
@@ -430,9 +235,8 @@ def serve(
 
 
 def cache_note(requests: TextRequests) -> str | None:
-    """Why the system prompt that every request begins with was computed for each of them:
-    what the prompts share is shorter than one block, and only full blocks are shared. None
-    without a system prompt, or when they share a block."""
+    """Why the system prompt was computed for every request: what the prompts share is shorter
+    than one block, and only full blocks are shared (None when that is not so)."""
     ids = [request.prompt_ids for request in requests.requests]
     shared, block_size = common_prefix_len(ids) if len(ids) > 1 else 0, requests.cfg.block_size
     text = requests.codec.decode(ids[0][:shared]).strip()

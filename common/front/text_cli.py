@@ -16,10 +16,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 
 from ..config import ModelConfig
-from ..errors import report_user_errors
 from ..memory import kv_bytes_per_block
 from ..sampling import SamplingParams
 from .chat import Prompt, check_messages
@@ -39,14 +37,7 @@ from .cli import (
 )
 from .steps import load_step
 from .stream import StreamPrinter, answer_head, answer_tail
-from .text import (
-    TextOptions,
-    TextRequests,
-    TextResult,
-    long_context_warning,
-    prepare_requests,
-    serve,
-)
+from .text import TextOptions, TextRequests, TextResult, prepare_requests, serve
 from .trace import RoundTracer
 from .trace_plot import show_trace
 
@@ -99,8 +90,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
 
 def add_request_flags(parser: argparse.ArgumentParser) -> None:
-    """What to serve: ``--system``, ``--prompt``, ``--prompt-file``, ``--messages``, and
-    whether the chat template writes them."""
+    """What to serve, and whether the chat template writes it."""
     parser.add_argument(
         "--system", type=text_of("--system"), metavar="TEXT", help="a prompt every request shares"
     )
@@ -236,8 +226,7 @@ def read_text_arg(name: str) -> str:
 
 
 def prompt_file(name: str) -> list[str]:
-    """``--prompt-file``: one prompt per line of the file (``-``: stdin); empty lines are
-    skipped, and a file without a prompt is refused."""
+    """``--prompt-file``: one prompt per line (``-``: stdin), empty lines skipped."""
     prompts = [line for line in read_text_arg(name).splitlines() if line.strip()]
     if not prompts:
         raise argparse.ArgumentTypeError(f"{name}: no prompt in it (one prompt per line)")
@@ -245,9 +234,7 @@ def prompt_file(name: str) -> list[str]:
 
 
 def messages_file(name: str) -> list[dict[str, str]]:
-    """``--messages``: a conversation, a JSON list of ``{"role": ..., "content": ...}``
-    (``-``: read from stdin), checked here: a file the chat template could not take is
-    refused before anything loads."""
+    """``--messages``: a conversation in JSON (``-``: stdin), checked before anything loads."""
     try:
         messages = json.loads(read_text_arg(name))
     except json.JSONDecodeError as exc:
@@ -262,50 +249,48 @@ def messages_file(name: str) -> list[dict[str, str]]:
 
 
 def run(step_name: str, options: TextRun) -> int:
-    """Check, load, serve, print (``--stream``: as the answers grow), trace on request. A
-    problem with the checkpoint or a request is one ``error:`` line on stderr and exit
-    status 1 (a traceback is left for bugs)."""
+    """Check, load, serve, print (``--stream``: as the answers grow), trace on request."""
     options.text.engine.set_threads()
-    prog = f"python -m {step_name}.run"
-    return report_user_errors(prog, lambda: serve_text(load_step(step_name), options))
-
-
-def serve_text(step: ModuleType, run: TextRun) -> int:
-    requests = prepare_requests(run.model, run.prompts, run.text)
-    warning = long_context_warning(requests.cfg)
-    if warning:
-        print(f"warning: {warning}", file=sys.stderr)
-    if not run.asked:  # said once the checkpoint and the request are known to be sound
+    step = load_step(step_name)
+    requests = prepare_requests(options.model, options.prompts, options.text)
+    if requests.warning:
+        print(f"warning: {requests.warning}", file=sys.stderr)
+    if not options.asked:  # said once the checkpoint and the request are known to be sound
         print(f"no --prompt given: completing {EXAMPLE_PROMPT!r} (--prompt TEXT asks your own)")
     start = time.perf_counter()
-    model = step.TinyTransformerPaged.from_pretrained(requests.folder, config=requests.cfg)
-    print(f"{step.__name__}: {run.model} (loaded in {time.perf_counter() - start:.1f} s)")
-    print_banner(requests, run.text)
+    model = step.TinyTransformerPaged.from_pretrained(requests.checkpoint, config=requests.cfg)
+    print(f"{step.__name__}: {options.model} (loaded in {time.perf_counter() - start:.1f} s)")
+    print_banner(requests, options.text)
     tracers: list[RoundTracer] = []
-    attach = (lambda engine: tracers.append(RoundTracer(engine))) if run.trace.wanted else None
-    print_system(run.text.system, requests.system_tokens)
-    printer = StreamPrinter(requests.codec.decode, run.prompts) if run.stream else None
-    result = serve(step, model, requests, run.text.engine, attach, printer)
+    attach = (lambda engine: tracers.append(RoundTracer(engine))) if options.trace.wanted else None
+    printer = StreamPrinter(requests.codec.decode, options.prompts) if options.stream else None
+    result = serve(step, model, requests, options.text.engine, attach, printer)
     if printer is None:
         print_answers(result)
     print_summary(result)
     if tracers:
-        title = f"{step.__name__}: serving the prompts, max_running={run.text.engine.max_running}"
-        show_trace(run.trace, "serving the prompts", tracers[0].rounds, title)
+        running = options.text.engine.max_running
+        title = f"{step.__name__}: serving the prompts, max_running={running}"
+        show_trace(options.trace, "serving the prompts", tracers[0].rounds, title)
     return 0
 
 
 def print_banner(requests: TextRequests, options: TextOptions) -> None:
-    """The model, its KV pool, the chat template and how tokens are drawn, indented."""
+    """The model, its KV pool, the chat template and how tokens are drawn, indented; then the
+    shared system prompt, before the answers (before they stream, with ``--stream``)."""
+    params, template = options.sampling_params, requests.codec.template
+    sampled = isinstance(params, SamplingParams) and not params.greedy
+    sampling = describe_sampling(params, options.engine.seed) if sampled else None
     lines = describe(requests.cfg)
-    if requests.codec.template is not None:
-        source = requests.codec.template.source
-        lines.append(f"chat template: {source} (--no-chat-template: plain completion)")
-    params = options.sampling_params
-    if isinstance(params, SamplingParams) and not params.greedy:
-        lines.append(f"sampling: {describe_sampling(params, options.engine.seed)}")
+    if template is not None:
+        lines.append(f"chat template: {template.source} (--no-chat-template: plain completion)")
+    if sampling:
+        lines.append(f"sampling: {sampling}")
     for line in lines:
         print(f"  {line}")
+    if options.system is not None:
+        shared = f"{plural(requests.system_tokens, 'token')}, shared by every request"
+        print(f"system prompt: {options.system!r} ({shared})")
 
 
 def describe(cfg: ModelConfig) -> list[str]:
@@ -313,34 +298,25 @@ def describe(cfg: ModelConfig) -> list[str]:
     heads = f"{cfg.num_heads} heads"
     if cfg.num_kv_heads != cfg.num_heads:
         heads += f" / {cfg.num_kv_heads} KV heads"
-    dtype = str(cfg.dtype).removeprefix("torch.")
     block = f"{kv_bytes_per_block(cfg) / 1024:g} KiB of K and V per block"
     if cfg.num_kv_heads != cfg.num_heads:
         full = kv_bytes_per_block(cfg, kv_heads=cfg.num_heads) / 1024
         block += f" ({full:g} KiB without grouped-query attention)"
     return [
         f"{cfg.num_layers} layers, d_model {cfg.d_model}, {heads} of {cfg.d_head}, "
-        f"vocab {cfg.vocab_size}, {dtype} on {cfg.device}",
+        f"vocab {cfg.vocab_size}, {cfg.dtype_name} on {cfg.device}",
         f"KV pool: {cfg.total_blocks} blocks x {cfg.block_size} tokens, {block}",
     ]
 
 
 def describe_sampling(params: SamplingParams, seed: int) -> str:
-    """The banner's line about a sampled run: what is drawn from, and the seed that repeats
-    it."""
+    """The banner's line about a sampled run, with the seed that repeats it."""
     among = [f"temperature {params.temperature:g}"]
     if params.top_k > 0:
         among.append(f"top_k {params.top_k}")
     if params.top_p < 1:
         among.append(f"top_p {params.top_p:g}")
     return f"{', '.join(among)}; seed {seed} (--seed N repeats a run, in every step)"
-
-
-def print_system(system: str | None, system_tokens: int) -> None:
-    """The shared system prompt, before the answers (before they stream, with ``--stream``)."""
-    if system is not None:
-        shared = f"{plural(system_tokens, 'token')}, shared by every request"
-        print(f"system prompt: {system!r} ({shared})")
 
 
 def print_answers(result: TextResult) -> None:
@@ -352,8 +328,7 @@ def print_answers(result: TextResult) -> None:
 
 
 def print_summary(result: TextResult) -> None:
-    """After the answers: what the prefix cache did, the time, and why nothing could hit
-    when the shared system prompt is shorter than one block."""
+    """After the answers: what the prefix cache did, the time, and ``cache_note``."""
     s = result.stats
     new_tokens = sum(len(ids) for ids in result.output_ids)
     print(

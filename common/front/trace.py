@@ -118,9 +118,7 @@ class WatchedEngine(Protocol):
 
 
 class RoundTracer(RoundObserver):
-    """Records every round of one engine; ``rounds`` holds them. An observer of the engine
-    (``engine.add_observer``): it is told each event as it happens and reads the pool's
-    snapshot then; ``detach()`` stops it."""
+    """Records every round of one engine in ``rounds``, as its observer; ``detach()`` stops."""
 
     def __init__(self, engine: WatchedEngine) -> None:
         self.engine = engine
@@ -252,8 +250,7 @@ def describe_work(w: Work, width: int) -> str:
 
 
 def describe_still(work: list[Work], width: int, rounds: int = 1) -> str:
-    """Requests that moved no block, on one line: the plain decode steps, then the requests
-    that still wait; ``rounds``: how many rounds in a row they did just that."""
+    """Requests that moved no block, on one line (``rounds`` in a row)."""
     decoding = " ".join(str(w.seq_id) for w in work if w.quiet)
     parts = []
     if decoding:
@@ -279,8 +276,7 @@ def describe_pool(pool: PoolSnapshot, touched: list[int]) -> str:
 
 
 def describe_round(r: RoundTrace, width: int) -> list[str]:
-    """The requests that moved blocks, one line each in the order they did; the plain decode
-    steps together on one line, where the first of them ran; then the pool."""
+    """A line per request that moved blocks, one for the plain decode steps, then the pool."""
     lines, still = [], [w for w in r.work if w.quiet]
     for w in r.work:
         if not w.quiet:
@@ -293,8 +289,7 @@ def describe_round(r: RoundTrace, width: int) -> list[str]:
 
 
 def still_runs(rounds: list[RoundTrace]) -> Iterator[list[RoundTrace]]:
-    """The rounds one by one, except that consecutive rounds in which no block moved, with the
-    same requests doing the same, go together."""
+    """The rounds one by one, consecutive ones in which nothing moved together."""
     run: list[RoundTrace] = []
     for r in rounds:
         if run and not (r.still and run[0].still and same_work(r, run[0])):
@@ -317,9 +312,8 @@ def label(run: list[RoundTrace]) -> str:
 
 
 def format_trace(rounds: list[RoundTrace]) -> str:
-    """The trace as text. Each round: its number, then one line per request that moved a
-    block, one line for all the plain decode steps, and the pool after the round. Consecutive
-    rounds in which no block moved take one line."""
+    """The trace as text, round by round (``describe_round``); consecutive rounds in which no
+    block moved take one line."""
     width = max((len(str(w.seq_id)) for r in rounds for w in r.work), default=1)
     runs = list(still_runs(rounds))
     column = max((len(label(run)) for run in runs), default=0) + 2

@@ -91,22 +91,12 @@ def draw_column(ax: Any, x: int, r: RoundTrace, block_ids: list[int], font: int)
     for block in r.evicted:
         ax.plot(x + 0.22, row[block] + 0.28, marker="x", color="black", markersize=4, mew=1.3)
     if r.preempted:
-        label = "P" + ",".join(map(str, r.preempted))
-        ax.text(
-            x + 0.5,
-            -0.3,
-            label,
-            ha="center",
-            va="bottom",
-            fontsize=6,
-            rotation=90,
-            fontweight="bold",
-        )
+        label, style = "P" + ",".join(map(str, r.preempted)), {"rotation": 90, "fontweight": "bold"}
+        ax.text(x + 0.5, -0.3, label, ha="center", va="bottom", fontsize=6, **style)
 
 
 def draw_cell(ax: Any, x: int, y: int, holders: tuple[int, ...], cached: bool, font: int) -> None:
-    """One block at the end of one round: free, cached only, or held (by one request, or
-    shared), with a black corner when the cache holds it too."""
+    """One block at the end of one round (the module's second paragraph)."""
     import matplotlib.pyplot as plt
 
     face, hatch, text = "white", None, ""
@@ -149,8 +139,7 @@ def draw_axes(ax: Any, rounds: list[RoundTrace], block_ids: list[int], title: st
 
 
 def draw_legend(ax: Any, fig: Any, rounds: list[RoundTrace]) -> None:
-    """What each kind of cell means, under the axis label; evictions and preemptions only
-    when the rounds have some."""
+    """What each kind of cell means (evictions and preemptions only when there are some)."""
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
     from matplotlib.transforms import offset_copy
@@ -172,12 +161,5 @@ def draw_legend(ax: Any, fig: Any, rounds: list[RoundTrace]) -> None:
     if any(r.preempted for r in rounds):
         legend.append(Line2D([], [], linestyle="none", label="Pk above: request k preempted"))
     below_the_label = offset_copy(ax.transAxes, fig=fig, y=-32, units="points")
-    ax.legend(
-        handles=legend,
-        loc="upper center",
-        bbox_to_anchor=(0.5, 0),
-        bbox_transform=below_the_label,
-        ncol=4,
-        fontsize=7,
-        frameon=False,
-    )
+    place = {"loc": "upper center", "bbox_to_anchor": (0.5, 0), "bbox_transform": below_the_label}
+    ax.legend(handles=legend, ncol=4, fontsize=7, frameon=False, **place)

@@ -19,49 +19,10 @@ def shared_prefix_prompts(
 
 
 def demo_prompts(vocab_size: int, block_size: int = 16) -> list[list[int]]:
-    """The chapter's demo: 10 requests sharing a 3-block prefix, each with its own tail.
-
-    Served one at a time, the first request misses and stores the prefix; the other nine hit it
-    (cold round 9/10); run again, all ten hit (hot round 10/10).
-    """
+    """The chapter's demo: 10 requests sharing a 3-block prefix, each with its own tail."""
     rng = random.Random(14)
     prefix = _tokens(rng, 3 * block_size, vocab_size)
     return [prefix + _tokens(rng, 4 + i, vocab_size) for i in range(10)]
-
-
-def bench_prompts(
-    num_requests: int = 16,
-    prefix_len: int = 256,
-    tail_len: int = 32,
-    vocab_size: int = 2048,
-    seed: int = 0,
-) -> list[list[int]]:
-    """The benchmark workload: many requests behind one long shared prefix."""
-    return shared_prefix_prompts(num_requests, prefix_len, tail_len, vocab_size, seed)
-
-
-def random_shared_prefix_prompts(
-    rng: random.Random,
-    vocab_size: int,
-    max_prompts: int = 8,
-    max_groups: int = 3,
-    max_prefix: int = 40,
-    max_tail: int = 12,
-) -> list[list[int]]:
-    """A random prompt set for property tests: a few groups, each with its own shared prefix.
-
-    Tails may be empty and prefixes may be short or absent, so full-prompt hits, exact block
-    multiples, one-token prompts and prompts that are prefixes of others all turn up.
-    """
-    prefixes = [
-        _tokens(rng, rng.randint(0, max_prefix), vocab_size)
-        for _ in range(rng.randint(1, max_groups))
-    ]
-    prompts = []
-    for _ in range(rng.randint(1, max_prompts)):
-        prompt = rng.choice(prefixes) + _tokens(rng, rng.randint(0, max_tail), vocab_size)
-        prompts.append(prompt or _tokens(rng, 1, vocab_size))
-    return prompts
 
 
 # The memory-pressure workload: short answers asked with a long max_new_tokens.
@@ -70,8 +31,7 @@ PRESSURE_EOS_AT = (5, 12)  # the eos is the answer's own token at one of these p
 
 
 def pressure_prompt_lengths(num_requests: int = 24, seed: int = 7) -> list[int]:
-    """The lengths of ``pressure_prompts``: drawn first, so they do not depend on the vocabulary
-    (the bench checks the pool against the longest before it builds any model)."""
+    """The lengths of ``pressure_prompts``, without a vocabulary (for the bench's pool check)."""
     rng = random.Random(seed)
     return [
         rng.randrange(PRESSURE_PROMPT_LENS[0], PRESSURE_PROMPT_LENS[1] + 1)
@@ -82,9 +42,7 @@ def pressure_prompt_lengths(num_requests: int = 24, seed: int = 7) -> list[int]:
 def pressure_prompts(
     num_requests: int = 24, vocab_size: int = 1024, seed: int = 7
 ) -> list[list[int]]:
-    """``num_requests`` short unrelated prompts, 4 to 11 tokens each: the memory-pressure
-    workload, where each request stops at its own eos long before its ``max_new_tokens``
-    (``pressure_eos``)."""
+    """``num_requests`` short unrelated prompts, 4 to 11 tokens each (the pressure workload)."""
     rng = random.Random(seed + 1)
     return [_tokens(rng, n, vocab_size) for n in pressure_prompt_lengths(num_requests, seed)]
 

@@ -52,9 +52,10 @@ from common.checkpoint import config_from_hf, eos_token_ids, load_checkpoint
 from common.config import ModelConfig, preset
 from common.errors import CheckpointError
 from common.front import text_cli
+from common.front.chat import load_tokenizer
 from common.front.cli import EngineOptions
 from common.front.hf import default_max_positions, hf_llama
-from common.front.text import TextCodec, TextOptions, generate_text, load_tokenizer
+from common.front.text import TextCodec, TextOptions, generate_text
 from tests.helpers import STEP_NAMES, edit_json, hf_greedy
 from tests.toy_checkpoint import CFG, VOCAB, WORDS, word_tokenizer
 
@@ -503,6 +504,17 @@ def test_eos_in_a_file_must_be_token_ids(tied: Path, tmp_path: Path, eos: object
     path.write_text(json.dumps({"eos_token_id": eos}))
     with pytest.raises(CheckpointError, match=r"generation_config\.json: eos_token_id"):
         eos_token_ids(folder)
+
+
+def test_a_tokenizer_that_is_not_the_checkpoints_is_refused_naming_the_prompt(
+    checkpoint: dict[str, object],
+) -> None:
+    """Ids past the model's vocabulary mean tokenizer.json belongs to another checkpoint."""
+    codec = TextCodec.load(checkpoint["single"])
+    ids = codec.encode_all(PROMPTS, SYSTEM, CFG.vocab_size)
+    assert ids == checkpoint["prompt_ids"]
+    with pytest.raises(CheckpointError, match=r"prompt 1 \('.*'\): the tokenizer gives ids"):
+        codec.encode_all(PROMPTS, SYSTEM, vocab_size=2)
 
 
 def test_missing_optional_packages_say_how_to_install(

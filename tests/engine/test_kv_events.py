@@ -18,9 +18,13 @@ from types import ModuleType
 import pytest
 
 from common.front.steps import load_step
-from common.front.workload import random_shared_prefix_prompts
 from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, replay
-from tests.helpers import STEP_NAMES, guard_against_hangs, tiny_config
+from tests.helpers import (
+    STEP_NAMES,
+    guard_against_hangs,
+    random_shared_prefix_prompts,
+    tiny_config,
+)
 
 SEEDS = range(20)
 BS = 4

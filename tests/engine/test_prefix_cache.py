@@ -21,8 +21,14 @@ import pytest
 import torch
 
 from common import hashing
-from common.front.workload import demo_prompts, random_shared_prefix_prompts, shared_prefix_prompts
-from tests.helpers import assert_engine_matches_reference, reference_tokens, tiny_config, tokens
+from common.front.workload import demo_prompts, shared_prefix_prompts
+from tests.helpers import (
+    assert_engine_matches_reference,
+    random_shared_prefix_prompts,
+    reference_tokens,
+    tiny_config,
+    tokens,
+)
 
 CFG = tiny_config()
 BS = CFG.block_size

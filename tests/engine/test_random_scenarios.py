@@ -26,12 +26,12 @@ import pytest
 
 from common.config import ModelConfig
 from common.front.steps import load_step
-from common.front.workload import random_shared_prefix_prompts
 from common.hashing import hash_prefix_blocks
 from common.numbers import cdiv
 from tests.helpers import (
     EngineFactory,
     blocks_needed,
+    random_shared_prefix_prompts,
     reference_tokens,
     tiny_config,
 )

@@ -42,6 +42,7 @@ from tokenizers import Tokenizer
 from common.config import preset
 from common.errors import RequestError
 from common.front import text as text_front
+from common.front.chat import load_tokenizer, text_decoder
 from common.front.cli import EngineOptions
 from common.front.hf import hf_llama
 from common.front.stream import (
@@ -49,9 +50,8 @@ from common.front.stream import (
     IncrementalDetokenizer,
     StreamPrinter,
     shorten,
-    text_decoder,
 )
-from common.front.text import TextOptions, generate_text, load_tokenizer
+from common.front.text import TextOptions, generate_text
 from common.sampling import SamplingParams
 from tests.helpers import STEP_NAMES, SUBPROCESS_TIMEOUT_S, edit_json, usage_error
 from tests.toy_checkpoint import byte_level_bpe
