@@ -30,7 +30,7 @@ from typing import Any, TextIO
 
 import torch
 
-from ..checkpoint import checkpoint_config, checkpoint_dir
+from ..checkpoint import Checkpoint
 from ..errors import CheckpointError, RequestError, one_line, report_user_errors
 from ..sampling import RequestOutput, SamplingParams
 from .cli import EngineOptions, HelpFormatter, add_engine_flags, checkpoint_folder, plural, text_of
@@ -250,16 +250,17 @@ def run(step_name: str, options: ChatOptions) -> int:
 
 
 def start_chat(step: ModuleType, options: ChatOptions) -> int:
-    folder = checkpoint_dir(options.model)
-    codec = TextCodec.load(folder)
+    checkpoint = Checkpoint.open(options.model)
+    codec = TextCodec.of(checkpoint)
     if codec.template is None:
         raise CheckpointError(
-            f"{folder} has no chat template (chat_template.jinja or tokenizer_config.json's "
-            "chat_template): --chat writes the conversation in it; an instruct checkpoint has one"
+            f"{checkpoint.folder} has no chat template (chat_template.jinja or "
+            "tokenizer_config.json's chat_template): --chat writes the conversation in it; "
+            "an instruct checkpoint has one"
         )
-    cfg = checkpoint_config(folder, **options.engine.model_overrides())
+    cfg = checkpoint.model_config(**options.engine.model_overrides())
     start = time.perf_counter()
-    model = step.TinyTransformerPaged.from_pretrained(folder, config=cfg)
+    model = step.TinyTransformerPaged.from_pretrained(checkpoint, config=cfg)
     engine = step.PagedPrefixCacheEngine(
         model, max_running=options.engine.max_running, seed=options.engine.seed
     )

@@ -108,9 +108,9 @@ def serve(step_name: str, options: ServeOptions, prog: str) -> int:
     from .launch import build_server, load_served_model, start_engine  # needs the packages
 
     listener = bind(options.host, options.port)
-    served, cfg = load_served_model(options)
+    served, cfg, folder = load_served_model(options)
     start = time.perf_counter()
-    llm, metrics = start_engine(step_name, served, cfg, options)
+    llm, metrics = start_engine(step_name, served, cfg, folder, options)
     print(f"{prog}: {served.name!r} loaded in {time.perf_counter() - start:.1f} s", flush=True)
     try:
         build_server(llm, metrics, served, options, prog).run(sockets=[listener])

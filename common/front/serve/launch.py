@@ -15,13 +15,7 @@ from typing import Any
 
 import uvicorn
 
-from ...checkpoint import (
-    GENERATION_CONFIG_FILE,
-    check_stored_shapes,
-    checkpoint_config,
-    checkpoint_dir,
-    read_json,
-)
+from ...checkpoint import GENERATION_CONFIG_FILE, Checkpoint, read_json
 from ...config import ModelConfig
 from ...errors import CheckpointError, RequestError, UserError
 from ...inputs import check_fits_pool
@@ -41,20 +35,21 @@ SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k")
 STOP_GRACE_S = 5  # the longest a stop waits for the answers in flight to end
 
 
-def load_served_model(options: ServeOptions) -> tuple[ServedModel, ModelConfig]:
+def load_served_model(options: ServeOptions) -> tuple[ServedModel, ModelConfig, Path]:
     """Everything about the checkpoint but its weights, checked: the config with the flags,
     the text side (tokenizer, chat template, eos ids), the sampling defaults, the weights'
-    names and shapes. Returns the config the model is to be built with, too."""
-    folder = checkpoint_dir(options.model)
-    cfg = checkpoint_config(folder, **options.engine.model_overrides())
+    names and shapes. Returns the config the model is to be built with, and its folder."""
+    checkpoint = Checkpoint.open(options.model)
+    cfg = checkpoint.model_config(**options.engine.model_overrides())
     check_pool_holds_context(cfg)
     warning = long_context_warning(cfg)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
-    codec = TextCodec.load(folder)
-    check_stored_shapes(folder, cfg)
+    codec = TextCodec.of(checkpoint)
+    checkpoint.check_shapes(cfg)
     name = options.served_model_name or options.model
-    return ServedModel(name, codec, cfg.max_model_len, sampling_defaults(folder)), cfg
+    defaults = sampling_defaults(checkpoint.folder)
+    return ServedModel(name, codec, cfg.max_model_len, defaults), cfg, checkpoint.folder
 
 
 def sampling_defaults(folder: Path) -> dict[str, Any]:
@@ -139,12 +134,12 @@ class EngineFactory:
 
 
 def start_engine(
-    step_name: str, served: ServedModel, cfg: ModelConfig, options: ServeOptions
+    step_name: str, served: ServedModel, cfg: ModelConfig, folder: Path, options: ServeOptions
 ) -> tuple[AsyncLLM, Metrics]:
     """The engine, built and running (in a process of its own, unless
     ``--engine-in-thread``), and the metrics it feeds."""
     metrics = Metrics(served.name, cfg.total_blocks)
-    make_engine = EngineFactory(step_name, checkpoint_dir(options.model), cfg, options.engine)
+    make_engine = EngineFactory(step_name, folder, cfg, options.engine)
     if options.engine_in_thread:
         llm = AsyncLLM.in_thread(make_engine(), on_round=metrics.record)
     else:
