@@ -20,6 +20,7 @@ import torch
 from common.config import ModelConfig
 from common.layers import CausalLM, compute_dtype, rope_cos_sin
 from common.memory import check_memory
+from common.numbers import cdiv
 
 
 class TinyTransformerPaged(CausalLM):
@@ -226,33 +227,76 @@ class FlatBatch:
         cfg: ModelConfig,
         device: torch.device,
     ) -> FlatBatch:
-        bs, g = cfg.block_size, len(chunks)
-        lengths = [len(chunk) for chunk in chunks]
-        t, s = max(lengths), max(map(sum, zip(start_positions, lengths)))
-        num_blocks = -(-s // bs)
-        ids, positions, slots, tables = [], [], [], []
-        for chunk, table, start in zip(chunks, block_tables, start_positions):
-            span = range(start, start + len(chunk))
-            ids += chunk
-            positions += span
-            slots += [table[p // bs] * bs + p % bs for p in span]
-            tables += table[:num_blocks] + [0] * (num_blocks - len(table[:num_blocks]))
+        """Sequence ``i`` runs ``chunks[i]`` from position ``start_positions[i]`` on, through
+        ``block_tables[i]``: its rows of the flat batch, and its row of the attention grid."""
 
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
 
-        steps = torch.arange(max(bs, s, t), device=device)
-        table = tensor(tables).view(g, num_blocks)
-        context_slots = (table[:, :, None] * bs + steps[:bs]).view(g, -1)[:, :s].flatten()
-        # Query row j of a sequence sits at position start + j and may read keys 0 .. start + j.
-        query_pos = tensor(start_positions)[:, None] + steps[:t]  # [G, T]
-        mask = steps[:s] <= query_pos[:, :, None]  # [G, T, S]
-        per_kv = cfg.num_queries_per_kv
-        mask = mask[:, None, None].expand(-1, 1, per_kv, t, s).reshape(g, 1, -1, s)
-        real = steps[:t] < tensor(lengths)[:, None]  # [G, T]
-        real_rows = None if min(lengths) == t else real.flatten().nonzero().squeeze(1)
-        last_rows = tensor(list(itertools.accumulate(lengths))) - 1
-        token_ids, positions, slot_mapping = tensor(ids + positions + slots).view(3, -1)
+        block_size = cfg.block_size
+        lengths = [len(chunk) for chunk in chunks]
+        spans = [range(start, start + n) for start, n in zip(start_positions, lengths)]
+        num_queries = max(lengths)  # T: the grid's query rows per sequence
+        context_len = max(span.stop for span in spans)  # S: the grid's keys per sequence
+        tables = tensor(padded(block_tables, cdiv(context_len, block_size)))
+        starts = tensor(start_positions)
+        ragged = min(lengths) < num_queries  # some chunks leave rows of the grid empty
         return cls(
-            token_ids, positions, slot_mapping, last_rows, context_slots, mask, real_rows, (g, t, s)
+            token_ids=tensor([token for chunk in chunks for token in chunk]),
+            positions=tensor([pos for span in spans for pos in span]),
+            slot_mapping=tensor(token_slots(block_tables, spans, block_size)),
+            last_rows=tensor(list(itertools.accumulate(lengths))) - 1,
+            context_slots=context_slots(tables, block_size, context_len),
+            mask=attention_mask(starts, num_queries, context_len, cfg.num_queries_per_kv),
+            real_rows=real_rows(tensor(lengths), num_queries) if ragged else None,
+            grid=(len(chunks), num_queries, context_len),
         )
+
+
+def padded(block_tables: list[list[int]], num_blocks: int) -> list[list[int]]:
+    """Every table cut or padded (with block 0) to ``num_blocks``: one rectangle, one tensor.
+    A padding block is never read: the mask hides every key past a sequence's context."""
+    return [table[:num_blocks] + [0] * (num_blocks - len(table)) for table in block_tables]
+
+
+def token_slots(block_tables: list[list[int]], spans: list[range], block_size: int) -> list[int]:
+    """The slot each token's K/V is written to, sequence after sequence: position ``p`` of a
+    sequence lives at ``block_table[p // block_size] * block_size + p % block_size``."""
+    return [
+        table[pos // block_size] * block_size + pos % block_size
+        for table, span in zip(block_tables, spans)
+        for pos in span
+    ]
+
+
+def context_slots(tables: torch.Tensor, block_size: int, context_len: int) -> torch.Tensor:
+    """``[G * S]``: the slot of every position ``0 ... S-1`` of every sequence, read through
+    its ``[G, blocks]`` table, sequence after sequence (one gather reads them all)."""
+    offsets = torch.arange(block_size, device=tables.device)
+    slots = tables[:, :, None] * block_size + offsets  # [G, blocks, block_size]
+    return slots.flatten(1)[:, :context_len].flatten()
+
+
+def attention_mask(
+    start_positions: torch.Tensor, num_queries: int, context_len: int, per_kv: int
+) -> torch.Tensor:
+    """``[G, 1, per_kv * T, S]``, True where a query row may read a key.
+
+    Query row ``j`` of a sequence sits at position ``start + j`` and may read keys ``0 ...
+    start + j``: one comparison is a prefill chunk's causal mask, and for a decode row it only
+    hides the padding. The ``per_kv`` query heads of a K/V head are that head's query rows,
+    so each sequence's mask is repeated for them.
+    """
+    device = start_positions.device
+    query_pos = start_positions[:, None] + torch.arange(num_queries, device=device)  # [G, T]
+    key_pos = torch.arange(context_len, device=device)
+    mask = key_pos <= query_pos[:, :, None]  # [G, T, S]
+    return mask[:, None].expand(-1, per_kv, -1, -1).flatten(1, 2)[:, None]
+
+
+def real_rows(lengths: torch.Tensor, num_queries: int) -> torch.Tensor:
+    """The ``[G, T]`` grid rows that hold a token (row ``j`` of a sequence, ``j`` < its chunk's
+    length), as flat indices in the flat batch's order: where the flat rows go in, and come
+    back out."""
+    rows = torch.arange(num_queries, device=lengths.device) < lengths[:, None]  # [G, T]
+    return rows.flatten().nonzero().squeeze(1)

@@ -6,7 +6,7 @@ import importlib
 import importlib.util
 from types import ModuleType
 
-STEPS = ["step14"] + [f"step14_{i}" for i in range(1, 8)]
+STEPS = ["step14"] + [f"step14_{i}" for i in range(1, 9)]
 
 # What each step changes against the one before: (files, one-line summary).
 FIXES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -24,6 +24,11 @@ FIXES: dict[str, tuple[tuple[str, ...], str]] = {
         "BlockManager.release(): no poking internals",
     ),
     "step14_7": (("model.py", "engine.py"), "forward_batched: one flat batch per round"),
+    # Beyond the chapter.
+    "step14_8": (
+        ("model.py", "engine.py", "kv_cache_manager.py"),
+        "cascade attention: the shared prefix read once per round",
+    ),
 }
 
 

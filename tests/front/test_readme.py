@@ -37,6 +37,7 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 PAGES = [README, *sorted(DOCS.glob("*.md"))]
 TEXT = {page: page.read_text() for page in PAGES}
+STEP_PAGES = sorted(ROOT.glob("step14*/README.md"))  # their commands are checked too
 RESULTS = json.loads((DOCS / "results-cpu.json").read_text())
 
 MAX_README_LINES = 250
@@ -94,11 +95,13 @@ def inline_commands(text: str) -> list[str]:
 
 
 def all_commands() -> list[tuple[str, str]]:
-    """(page, command): every command of every page, one ``&&`` part at a time."""
+    """(page, command): every command of every page and step README, one ``&&`` part at a
+    time."""
+    texts = {**TEXT, **{page: page.read_text() for page in STEP_PAGES}}
     return [
         (page_name(page), part.strip())
-        for page in PAGES
-        for command in shown_commands(TEXT[page]) + inline_commands(TEXT[page])
+        for page, text in texts.items()
+        for command in shown_commands(text) + inline_commands(text)
         for part in command.split("&&")
     ]
 
@@ -200,7 +203,7 @@ def known_flags(program: str) -> set[str]:
         check=True,
         timeout=120,
     ).stdout
-    return set(re.findall(r"--[a-z][a-z-]*", out))
+    return set(re.findall(r"--[a-z][a-z0-9-]*", out))
 
 
 def test_flags_in_the_pages_exist() -> None:
@@ -220,6 +223,26 @@ def test_flags_in_the_pages_exist() -> None:
     assert "--list" in shown["tools/mutants.py"], "docs/testing.md shows the mutation check"
     for module, flags in shown.items():
         assert flags <= known_flags(module), (module, flags - known_flags(module))
+
+
+def test_the_profile_a_step_readme_shows_comes_from_its_command() -> None:
+    """A page's operator profile (``python -m tools.profile_ops``) is the output of the command
+    it shows: the command runs and prints the header and the columns quoted, and a step README
+    that shows the command quotes its header."""
+    shown = [(page, c) for page, c in all_commands() if c.startswith("python -m tools.profile_ops")]
+    assert shown, "step14_8's README profiles step14_7 with tools/profile_ops.py"
+    for page, command in shown:
+        words = shlex.split(command)
+        run = [sys.executable, *words[1:], "--top", "3"]
+        out = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, (page, command, out.stderr[-2000:])
+        step = words[words.index("--step") + 1]
+        threads = words[words.index("--threads") + 1] if "--threads" in words else "1"
+        header = f"{step}, warm prefix, {threads} thread(s):"
+        assert header in out.stdout, (page, out.stdout)
+        assert "operator" in out.stdout and "self CPU" in out.stdout and "share" in out.stdout
+        if page.startswith("step14"):
+            assert header in (ROOT / page).read_text(), page
 
 
 # ---- links and structure ------------------------------------------------------------------------
