@@ -22,10 +22,10 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from common.front.workload import random_shared_prefix_prompts
 from tests.helpers import (
     EngineFactory,
     has_fix,
+    random_shared_prefix_prompts,
     reference_tokens,
     requires_fix,
     tiny_config,
