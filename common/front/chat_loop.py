@@ -33,7 +33,7 @@ import torch
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointError, RequestError, one_line, report_user_errors
 from ..sampling import RequestOutput, SamplingParams
-from .cli import EngineOptions, HelpFormatter, add_engine_flags, checkpoint_folder, plural, text_of
+from .cli import EngineOptions, HelpFormatter, add_engine_flags, add_model_flag, plural, text_of
 from .steps import load_step
 from .stream import IncrementalDetokenizer, answer_ids
 from .text import TextCodec
@@ -214,13 +214,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description=DESCRIPTION, formatter_class=HelpFormatter
     )
-    parser.add_argument(
-        "--model",
-        type=checkpoint_folder,
-        required=True,
-        metavar="DIR",
-        help="a local Hugging Face Llama checkpoint with a chat template",
-    )
+    add_model_flag(parser, "a local Hugging Face Llama checkpoint with a chat template")
     parser.add_argument(
         "--chat", action="store_true", help="talk with the model, turn after turn: this loop"
     )

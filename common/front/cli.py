@@ -137,6 +137,11 @@ def checkpoint_folder(text: str) -> str:
     return text
 
 
+def add_model_flag(parser: argparse.ArgumentParser, help: str) -> None:
+    """``--model DIR``, as every front end over a checkpoint takes it (checked at parse)."""
+    parser.add_argument("--model", type=checkpoint_folder, required=True, metavar="DIR", help=help)
+
+
 def png_path(text: str) -> str:
     """A file a picture can be written to: its folder exists and takes a file."""
     folder = os.path.dirname(text) or "."

@@ -26,8 +26,8 @@ from .cli import (
     HelpFormatter,
     TraceOptions,
     add_engine_flags,
+    add_model_flag,
     add_trace_flags,
-    checkpoint_folder,
     int_range,
     number_in,
     plural,
@@ -68,12 +68,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description=DESCRIPTION, formatter_class=HelpFormatter
     )
-    parser.add_argument(
-        "--model",
-        type=checkpoint_folder,
-        required=True,
-        metavar="DIR",
-        help="a local Hugging Face Llama checkpoint directory (nothing is downloaded)",
+    add_model_flag(
+        parser, "a local Hugging Face Llama checkpoint directory (nothing is downloaded)"
     )
     add_request_flags(parser)
     add_sampling_flags(parser)

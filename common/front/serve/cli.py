@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from ...errors import MissingPackageError, UserError, end_as_interrupted, report_user_errors
-from ..cli import EngineOptions, HelpFormatter, add_engine_flags, checkpoint_folder, int_range
+from ..cli import EngineOptions, HelpFormatter, add_engine_flags, add_model_flag, int_range
 
 DESCRIPTION = """\
 An OpenAI-compatible server (vLLM's endpoints and metric names) over this step's engine. The
@@ -50,13 +50,7 @@ def parse_args(step_name: str, argv: list[str] | None) -> ServeOptions:
     p = argparse.ArgumentParser(
         prog=f"python -m {step_name}.serve", description=DESCRIPTION, formatter_class=HelpFormatter
     )
-    p.add_argument(
-        "--model",
-        type=checkpoint_folder,
-        required=True,
-        metavar="DIR",
-        help="a local Hugging Face Llama checkpoint directory",
-    )
+    add_model_flag(p, "a local Hugging Face Llama checkpoint directory")
     p.add_argument(
         "--host",
         default="127.0.0.1",
