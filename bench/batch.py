@@ -135,28 +135,36 @@ class BatchRunner:
         return f"{self.live.tokens:,} tokens computed" if self.live is not None else ""
 
 
-def measure(
-    name: str,
-    fixes: str,
-    run: Callable[[], RunResult],
-    repeats: int,
-    progress: Progress,
-    live: Callable[[], str] | None = None,
-    warmup: bool = False,
-) -> Row:
-    """``repeats`` runs of one row, one line when done (a slow row shows on ``progress``).
-    ``warmup``: one untimed run first, since the first torch work of a process pays one-time
-    costs (thread pools, kernel selection, the allocator growing) that no later run pays."""
-    row = Row(name, fixes)
-    with progress.task(name) as task:
-        task.live = live
-        if warmup:
-            task.note = "warm-up run (untimed)"
-            run()
-        for i in range(repeats):
-            done = ", ".join(f"{s:.2f}s" for s in row.seconds)
-            task.note = f"run {i + 1}/{repeats}" + (f" (done: {done})" if done else "")
-            row.runs.append(run())
-    times = "".join(f" {s:6.2f}s" for s in row.seconds)
-    print(f"  {name:<26}{times}" + (f"  ! {row.spread:.2f}x apart" if row.flagged else ""))
-    return row
+@dataclass
+class Timing:
+    """A row to measure: how to run it once, and whether it first gets an untimed run."""
+
+    row: Row
+    run: Callable[[], RunResult]
+    warmup: bool = False
+    live: Callable[[], str] | None = None  # the status line's figure while a run goes on
+
+
+def measure(timings: list[Timing], repeats: int, progress: Progress) -> None:
+    """``repeats`` runs of every row, in passes: each pass runs every row once, so a moment
+    when the machine is busy with something else costs one run of a few rows, never every
+    run of one row, and each row's best run stands beside its neighbours' best (one line per
+    row when all are done). ``warmup``: one untimed run before the first pass, since the first
+    torch work of a process pays one-time costs (thread pools, kernel selection, the
+    allocator growing) that no later run pays."""
+    for timing in timings:
+        if timing.warmup:
+            run_once(timing, "warm-up run (untimed)", progress)
+    for i in range(repeats):
+        for timing in timings:
+            timing.row.runs.append(run_once(timing, f"run {i + 1}/{repeats}", progress))
+    for row in (timing.row for timing in timings):
+        times = "".join(f" {s:6.2f}s" for s in row.seconds)
+        print(f"  {row.name:<26}{times}" + (f"  ! {row.spread:.2f}x apart" if row.flagged else ""))
+
+
+def run_once(timing: Timing, note: str, progress: Progress) -> RunResult:
+    """One run of a row, its name and ``note`` on the status line while it is slow."""
+    with progress.task(timing.row.name) as task:
+        task.live, task.note = timing.live, note
+        return timing.run()

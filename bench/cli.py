@@ -42,9 +42,10 @@ DESCRIPTION = "\n\n".join(
         *(workload.HELP for workload in WORKLOADS.values()),
         f"Each row or cell shows its best run (the work is the same every run, so a slower run "
         f"only measures what else the machine was doing), flagged ! when its runs differ by "
-        f"more than {SPREAD_FLAG}x. The first row and each peer get one untimed warm-up run "
-        "(one-time setup). Results go to the --out folder: results.json (scale.json, "
-        "serving.json), and the charts when matplotlib is installed.",
+        f"more than {SPREAD_FLAG}x. The runs go in passes, each row once per pass, so a busy "
+        "moment costs one run of several rows, not every run of one. The first row and each "
+        "peer get one untimed warm-up run (one-time setup). Results go to the --out folder: "
+        "results.json (scale.json, serving.json), and the charts when matplotlib is installed.",
     ]
 )
 

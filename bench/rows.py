@@ -21,7 +21,7 @@ from common.inputs import blocks_for_request
 from common.memory import gib, kv_bytes_per_block, kv_pool_bytes
 
 from . import charts
-from .batch import BatchRunner, Row, RunResult, measure
+from .batch import BatchRunner, Row, RunResult, Timing, measure
 from .cells import SPREAD_FLAG, flagged_note, markdown
 from .costs import MATMUL_N, MIB, Floor, dense_kv_bytes, floor_work, matmul_gflops, model_flops
 from .models import load_step_model, load_workload_model
@@ -43,8 +43,8 @@ def header(cfg: ModelConfig, describe: str, options: BenchOptions, machine_gflop
         f"{cfg.dtype_name}; torch {torch.__version__}, {threads}\n"
         f"this machine: {machine_gflops:.1f} GFLOP/s on a {MATMUL_N}x{MATMUL_N} float32 matmul "
         "at that thread count: what arithmetic alone could reach\n"
-        f"{plural(options.repeats, 'run')} per row, each through a fresh engine (a cold cache "
-        "unless the row says warm):"
+        f"{plural(options.repeats, 'run')} per row, in passes over the rows, each through a "
+        "fresh engine (a cold cache unless the row says warm):"
     )
 
 
@@ -224,6 +224,7 @@ class BatchRun:
 
     def __init__(self, options: BenchOptions, workload, progress: Progress) -> None:
         self.options, self.progress, self.seconds = options, progress, {}
+        self.timings: list[Timing] = []
         self.cfg, self.weights = load_workload_model(options, workload, progress)
         self.prompts = workload.prompts(self.cfg.vocab_size)
         self.machine_gflops = matmul_gflops(self.cfg.device)
@@ -238,11 +239,19 @@ class BatchRun:
         self.seconds[name] = time.perf_counter() - start
 
     def timed(self, name: str, fixes: str, run, warmup: bool = False, live=None) -> Row:
-        """One row, ``--repeats`` times (``batch.measure``)."""
-        return measure(name, fixes, run, self.options.repeats, self.progress, live, warmup)
+        """A row, its runs still to come: ``measure_rows`` runs every row, interleaved."""
+        self.timings.append(Timing(Row(name, fixes), run, warmup, live))
+        return self.timings[-1].row
+
+    def measure_rows(self) -> None:
+        """Every row's ``--repeats`` runs, pass after pass (``batch.measure``)."""
+        with self.phase("runs"):
+            measure(self.timings, self.options.repeats, self.progress)
+        self.timings = []
 
     def step_rows(self, workload) -> tuple[list[Row], BatchRunner]:
-        """A row per step, one model at a time; and the last step's runner, for its variants."""
+        """A row per step (every step's model is kept until the rows are measured); and the
+        last step's runner, for its variants."""
         rows: list[Row] = []
         for name in self.options.steps:
             with self.progress.task(f"{name}: building the model"):

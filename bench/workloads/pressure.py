@@ -95,6 +95,7 @@ def run(options: BenchOptions, progress: Progress) -> int:
         workload = pick_eos(workload_of(options), batch.prompts, batch.reference)
     with batch.phase("steps"):
         rows, _ = batch.step_rows(workload)
+    batch.measure_rows()
     if not (options.no_hf and options.no_ctranslate2):
         print(
             "  (Hugging Face and CTranslate2 rows skipped: one batched generate cannot stop "

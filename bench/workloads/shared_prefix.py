@@ -112,6 +112,7 @@ def run(options: BenchOptions, progress: Progress) -> int:
     if not (options.no_hf and options.no_ctranslate2):
         with batch.phase("peers"):
             extra += peer_rows(batch.cfg, batch.weights, workload, options, batch.timed)
+    batch.measure_rows()
     return batch.finish(workload, rows, extra)
 
 

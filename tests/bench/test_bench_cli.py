@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from bench import cli, costs, progress
-from bench.batch import BatchRunner, Row, RunResult
+from bench.batch import BatchRunner, Row, RunResult, Timing, measure
 from bench.costs import Floor, TokenWork, matmul_gflops, model_flops
 from bench.models import load_step_model
 from bench.options import BenchOptions
@@ -268,6 +268,25 @@ def test_header_counts_in_good_english(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "81.2 GFLOP/s on a 1024x1024 float32 matmul" in one and "model tiny:" in one
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert "2 threads" in header(preset("tiny"), "what", options, 1.0)
+
+
+def test_rows_run_in_passes_so_a_busy_moment_costs_one_run_of_each(capsys) -> None:
+    """Pass after pass, every row once per pass, a warm-up before the first: a disturbance
+    lands on one run of several rows, never on every run of one row."""
+    order: list[str] = []
+
+    def timing(name: str, warmup: bool = False) -> Timing:
+        def run() -> RunResult:
+            order.append(name)
+            return RunResult([[1]], float(len(order)))
+
+        return Timing(Row(name, ""), run, warmup)
+
+    timings = [timing("a", warmup=True), timing("b"), timing("c")]
+    measure(timings, 2, progress.Progress(enabled=False))
+    assert order == ["a", "a", "b", "c", "a", "b", "c"]
+    assert [t.row.seconds for t in timings] == [[2.0, 5.0], [3.0, 6.0], [4.0, 7.0]]
+    assert re.findall(r"^  (\w) ", capsys.readouterr().out, re.MULTILINE) == ["a", "b", "c"]
 
 
 def test_phases_say_how_long_and_how_to_skip_a_slow_reference() -> None:
