@@ -92,13 +92,11 @@ class TinyTransformerPaged(CausalLM):
         )
         cos, sin = rope_cos_sin(batch.positions, self.cfg)
         x = self.model.embed_tokens(batch.token_ids)
+        attend = self._padded_attention if batch.shared_rows is None else self._cascade_attention
         for layer_idx, layer in enumerate(self.model.layers):
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
             self._write_kv(layer_idx, k, v, batch.slot_mapping)  # one scatter for the whole batch
-            if batch.shared_rows is None:
-                attn = self._padded_attention(layer_idx, q, batch)
-            else:
-                attn = self._cascade_attention(layer_idx, q, batch)
+            attn = attend(layer_idx, q, batch)
             x = x + layer.self_attn.o_proj(attn.flatten(1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.lm_head(self.model.norm(x[batch.last_rows]))
@@ -130,42 +128,23 @@ class TinyTransformerPaged(CausalLM):
         return out if batch.real_rows is None else out[batch.real_rows]  # [total_tokens, H, d]
 
     def _cascade_attention(self, layer_idx: int, q: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
-        """Cascade attention: the round's shared prefix read once for all its queries, each
-        sequence's own blocks apart, the two merged exactly; flat ``[N, H, d_head]``."""
-        q = q / math.sqrt(self.cfg.d_head)
-        shared = self._shared_prefix_attention(layer_idx, q, batch.shared_rows)
-        return merge_attention(shared, self._own_blocks_attention(layer_idx, q, batch))
-
-    def _shared_prefix_attention(
-        self, layer_idx: int, q: torch.Tensor, shared_rows: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every query row of the round over the prefix's keys, one matmul per K/V head
-        (``[group * N, d] @ [d, P]``): the prefix is read once, however many sequences share
-        it. It lies before every query: nothing to mask."""
-        n, kv_heads, d_head = q.shape[0], self.cfg.num_kv_heads, self.cfg.d_head
-        keys, values = self._gather_heads(layer_idx, shared_rows, (kv_heads, -1, d_head))
-        # [N, H, d] -> [KV, group * N, d]: query head h reads K/V head h // group
-        out, lse = partial_attention(q.transpose(0, 1).reshape(kv_heads, -1, d_head), keys, values)
-        return out.view(-1, n, d_head).transpose(0, 1), lse.view(-1, n, 1).transpose(0, 1)
-
-    def _own_blocks_attention(
-        self, layer_idx: int, q: torch.Tensor, batch: FlatBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each sequence's queries over its own blocks (after the prefix), on the grid of
-        ``_padded_attention``; ``(out, lse)`` as flat ``[N, H, .]``."""
+        """Cascade attention on ``_padded_attention``'s grid: every query of the round over the
+        shared prefix, read once (one matmul per K/V head, ``[G * group * T, d] @ [d, P]``),
+        each sequence's queries over its own blocks apart, the two merged exactly."""
         (g, t, s), cfg = batch.grid, self.cfg
         kv_heads, per_kv, d_head = cfg.num_kv_heads, cfg.num_queries_per_kv, cfg.d_head
-        keys, values = self._gather_heads(layer_idx, batch.own_rows, (g, kv_heads, s, d_head))
         if batch.real_rows is not None:
             q = q.new_zeros(g * t, *q.shape[1:]).index_put_((batch.real_rows,), q)
         q = q.view(g, t, kv_heads, per_kv, d_head).permute(0, 2, 3, 1, 4).flatten(2, 3)
-        out, lse = (  # [G, KV, group * T, .] -> [G * T, H, .]
-            x.view(g, kv_heads, per_kv, t, -1).permute(0, 3, 1, 2, 4).flatten(2, 3).flatten(0, 1)
-            for x in partial_attention(q, keys, values, batch.mask)
-        )
-        if batch.real_rows is not None:
-            out, lse = out[batch.real_rows], lse[batch.real_rows]
-        return out, lse
+        q = q / math.sqrt(d_head)  # [G, KV, group * T, d]
+        keys, values = self._gather_heads(layer_idx, batch.shared_rows, (kv_heads, -1, d_head))
+        # The prefix lies before every query: nothing to mask.
+        shared = partial_attention(q.transpose(0, 1).reshape(kv_heads, -1, d_head), keys, values)
+        shared = tuple(x.view(kv_heads, g, -1, x.shape[-1]).transpose(0, 1) for x in shared)
+        keys, values = self._gather_heads(layer_idx, batch.own_rows, (g, kv_heads, s, d_head))
+        out = merge_attention(shared, partial_attention(q, keys, values, batch.mask))
+        out = out.reshape(g, kv_heads, per_kv, t, d_head).permute(0, 3, 1, 2, 4).flatten(0, 1)
+        return out if batch.real_rows is None else out[batch.real_rows]
 
     def _gather_heads(
         self, layer_idx: int, rows: torch.Tensor, shape: tuple[int, ...]
