@@ -225,6 +225,7 @@ class BatchRun:
     def __init__(self, options: BenchOptions, workload, progress: Progress) -> None:
         self.options, self.progress, self.seconds = options, progress, {}
         self.timings: list[Timing] = []
+        self.nested = 0.0  # seconds of phases within the one that runs
         self.cfg, self.weights = load_workload_model(options, workload, progress)
         self.prompts = workload.prompts(self.cfg.vocab_size)
         self.machine_gflops = matmul_gflops(self.cfg.device)
@@ -233,10 +234,13 @@ class BatchRun:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Time a phase of the run: the last line says how long each took."""
-        start = time.perf_counter()
+        """Time a phase of the run (the last line says how long each took): a phase met again
+        adds up, and one within another counts for itself only."""
+        start, outer, self.nested = time.perf_counter(), self.nested, 0.0
         yield
-        self.seconds[name] = time.perf_counter() - start
+        spent = time.perf_counter() - start
+        self.seconds[name] = self.seconds.get(name, 0.0) + spent - self.nested
+        self.nested = outer + spent
 
     def timed(self, name: str, fixes: str, run, warmup: bool = False, live=None) -> Row:
         """A row, its runs still to come: ``measure_rows`` runs every row, interleaved."""

@@ -29,8 +29,13 @@ def peer_rows(
     workload,
     options: BenchOptions,
     timed: Timed,
+    measure: Callable[[], None],
 ) -> list[Row]:
-    """The peers' rows that can run here; each one that cannot says why in one line."""
+    """The peers' rows that can run here; each one that cannot says why in one line.
+
+    ``measure`` runs the rows so far before CTranslate2's are made: while its ``Generator``
+    lives, its threads slow torch's (at two threads, step14_8 ran 3x slower beside one), so
+    its rows are measured apart, after every torch row, and the generator then let go."""
     with_hf = not options.no_hf
     with_ct2 = not options.no_ctranslate2 and ct2.available(cfg)
     if not (with_hf or with_ct2):
@@ -42,6 +47,7 @@ def peer_rows(
     prompts = workload.prompts(cfg.vocab_size)
     rows = hf.rows(twin, cfg, prompts, workload, timed) if with_hf else []
     if with_ct2:
+        measure()
         rows += ct2.rows(twin, cfg, prompts, workload, options.threads, timed)
     return rows
 

@@ -111,7 +111,9 @@ def run(options: BenchOptions, progress: Progress) -> int:
         extra = last_step_variants(batch, runner, rows[-1].name, workload)
     if not (options.no_hf and options.no_ctranslate2):
         with batch.phase("peers"):
-            extra += peer_rows(batch.cfg, batch.weights, workload, options, batch.timed)
+            extra += peer_rows(
+                batch.cfg, batch.weights, workload, options, batch.timed, batch.measure_rows
+            )
     batch.measure_rows()
     return batch.finish(workload, rows, extra)
 

@@ -289,6 +289,20 @@ def test_rows_run_in_passes_so_a_busy_moment_costs_one_run_of_each(capsys) -> No
     assert re.findall(r"^  (\w) ", capsys.readouterr().out, re.MULTILINE) == ["a", "b", "c"]
 
 
+def test_a_phase_adds_up_and_one_within_another_counts_for_itself(monkeypatch) -> None:
+    from bench import rows as rows_module
+
+    clock = iter([0.0, 1.0, 3.0, 10.0, 20.0, 21.0])  # each phase's start and end, in order
+    monkeypatch.setattr(rows_module.time, "perf_counter", lambda: next(clock))
+    batch = rows_module.BatchRun.__new__(rows_module.BatchRun)
+    batch.seconds, batch.nested = {}, 0.0
+    with batch.phase("peers"), batch.phase("runs"):  # runs 1 to 3, within peers 0 to 10
+        pass
+    with batch.phase("runs"):
+        pass
+    assert batch.seconds == {"runs": 3.0, "peers": 8.0}
+
+
 def test_phases_say_how_long_and_how_to_skip_a_slow_reference() -> None:
     fast = phases({"steps": 12.34, "reference check": 2.0})
     assert fast == "time: steps 12.3 s, reference check 2.0 s"

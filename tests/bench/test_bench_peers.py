@@ -118,3 +118,22 @@ def test_without_a_shared_prefix_there_is_no_warm_row(generator_threads: list[in
 
 def timed(name: str, fixes: str, run, warmup: bool = False):
     return name, run()
+
+
+def test_ctranslate2_runs_after_every_torch_row_is_measured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its generator's threads slow torch's while it lives: the rows registered before it are
+    measured first, and its own after."""
+    from bench import peers
+    from bench.options import BenchOptions
+
+    events: list[str] = []
+    monkeypatch.setattr(ct2, "available", lambda cfg: True)
+    monkeypatch.setattr(peers, "hf_twin", lambda *args: object())
+    monkeypatch.setattr(peers.hf, "rows", lambda *args: events.append("hf registered") or [])
+    monkeypatch.setattr(ct2, "rows", lambda *args: events.append("ct2 made") or [])
+    options = BenchOptions("shared-prefix", "tiny", tuple(STEP_NAMES), 1, "out")
+    measure = lambda: events.append("measured")  # noqa: E731
+    peers.peer_rows(preset("tiny"), None, SharedPrefix(), options, None, measure)
+    assert events == ["hf registered", "measured", "ct2 made"]
