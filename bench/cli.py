@@ -2,7 +2,7 @@
 checks (``read_options``: every flag checked, and the options read once, before any work), and
 the entry point (``main``).
 
-The engine flags are the front ends' own (``common.front.cli.add_engine_flags``). A request
+The engine flags are the front ends' own (``front.cli.add_engine_flags``). A request
 flag's default depends on the workload (``PerWorkload``: each workload module's ``DEFAULTS``),
 and a flag the chosen workload does not read is refused rather than silently ignored.
 """
@@ -12,11 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
 from common.config import PRESETS
-from common.errors import report_user_errors
-from common.front.cli import (
+from front.cli import (
     HelpFormatter,
     add_engine_flags,
     checkpoint_folder,
@@ -24,7 +21,8 @@ from common.front.cli import (
     positive_int,
     writable_folder,
 )
-from common.front.steps import available_steps
+from front.exits import report_user_errors
+from front.steps import available_steps
 
 from .cells import SPREAD_FLAG
 from .endpoint import endpoint_url
@@ -273,8 +271,7 @@ def refuse_unread(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 def run_workload(options: BenchOptions) -> int:
     """The work, once every flag has passed: the workload's run, at ``--threads``."""
-    if options.threads:
-        torch.set_num_threads(options.threads)
+    options.engine_options().set_threads()
     progress = Progress(enabled=False if options.quiet else None)
     return WORKLOADS[options.workload].run(options, progress)
 

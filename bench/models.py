@@ -3,44 +3,32 @@ machine's memory before anything is read, and one step's model built on them."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
-from common.config import PRESETS, ModelConfig, preset
-from common.front.cli import dtype_value
-from common.front.steps import load_step
+from common.config import ModelConfig, preset
 from common.inputs import check_fits_pool
 from common.memory import check_memory
+from front.build import ModelSource, Weights
+from front.steps import load_step
 
 from .options import BenchOptions
 from .progress import Progress
-
-Weights = Mapping[str, torch.Tensor]
 
 # A prompt token, as a Python int in a list: the list's 8-byte slot and a 28-byte int object.
 PROMPT_BYTES_PER_TOKEN = 36
 
 
-def _changes(options: BenchOptions, total_blocks: int) -> dict[str, object]:
-    """What the flags change in the model's config (``--dtype auto``: a checkpoint's own)."""
-    return {
-        "block_size": options.block_size,
-        "total_blocks": total_blocks,
-        "device": options.device,
-        "dtype": dtype_value(options.dtype),
-    }
+def model_source(options: BenchOptions, total_blocks: int) -> ModelSource:
+    """A preset's config, or a checkpoint's (no weight read), with a pool of ``total_blocks``
+    (``--dtype auto``: a checkpoint's own)."""
+    return ModelSource.open(options.model, options.engine_options(), total_blocks=total_blocks)
 
 
 def model_config(options: BenchOptions, total_blocks: int) -> ModelConfig:
-    """A preset's config, or a checkpoint's (no weight read), with a pool of ``total_blocks``."""
-    if options.model in PRESETS:
-        return preset(options.model, **_changes(options, total_blocks))
-    from common.checkpoint import checkpoint_config
-
-    return checkpoint_config(options.model, **_changes(options, total_blocks))
+    return model_source(options, total_blocks).cfg
 
 
 def bench_config(workload, model: str = "bench", **changes: object) -> ModelConfig:
@@ -65,11 +53,8 @@ def check_workload_memory(options: BenchOptions, total_blocks: int, prompt_token
 def load_model(options: BenchOptions, total_blocks: int) -> tuple[ModelConfig, Weights | None]:
     """``(cfg, weights)``: a preset with seeded weights (``weights`` None: each model draws
     them), or a checkpoint read once (every step's model and every peer share its tensors)."""
-    if options.model in PRESETS:
-        return model_config(options, total_blocks), None
-    from common.checkpoint import load_checkpoint  # needs safetensors: pip install -e '.[real]'
-
-    return load_checkpoint(options.model, **_changes(options, total_blocks))
+    source = model_source(options, total_blocks)
+    return source.cfg, source.read_weights()
 
 
 def load_workload_model(
@@ -101,7 +86,4 @@ class StepModel:
 def load_step_model(name: str, cfg: ModelConfig, weights: Weights | None = None) -> StepModel:
     """Step ``name``'s model of ``cfg``: seeded weights, or ``weights``, shared, not copied."""
     step = load_step(name)
-    model = step.TinyTransformerPaged(cfg)
-    if weights is not None:
-        model.load_weights(weights)
-    return StepModel(step, model)
+    return StepModel(step, ModelSource(name, cfg).build_model(step, weights))

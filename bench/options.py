@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from front.cli import EngineOptions
+
 
 @dataclass(frozen=True)
 class BenchOptions:
@@ -35,6 +37,18 @@ class BenchOptions:
     no_ctranslate2: bool = False
     no_reference: bool = False
     quiet: bool = False
+
+    def engine_options(self) -> EngineOptions:
+        """The engine flags as every command reads them (the pool: the workload's, unless
+        ``--total-blocks``)."""
+        return EngineOptions(
+            device=self.device,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            total_blocks=self.total_blocks,
+            threads=self.threads,
+            no_memory_check=self.no_memory_check,
+        )
 
     def running(self, requests: int) -> int:
         """``--max-running``, with 0 meaning all ``requests`` at once."""

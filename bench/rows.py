@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 from common.config import ModelConfig
-from common.front.cli import plural
-from common.front.steps import FIXES
 from common.inputs import blocks_for_request
 from common.memory import gib, kv_bytes_per_block, kv_pool_bytes
+from front.cli import plural
+from front.steps import FIXES
 
 from . import charts
 from .batch import BatchRunner, Row, RunResult, Timing, measure

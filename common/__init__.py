@@ -5,6 +5,7 @@ layers), ``checkpoint.py`` (a local Hugging Face checkpoint), ``errors.py``, ``h
 block hash), ``inputs.py`` (the request checks), ``stats.py`` (EngineStats), ``kv_events.py``,
 and ``reference.py``: the dense reference model, the oracle every step is checked against.
 
-The front ends that run the steps (the demo, text, the trace, the step registry, ...) live in
-``common/front/``; nothing here imports them.
+Nothing a person runs lives here: the applications that run the steps (the demo, text, the
+chat loop, the server, the trace, the step registry, ...) are in ``front/``, and the bench in
+``bench/``; nothing here imports them, prints, or parses a command line.
 """

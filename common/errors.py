@@ -13,11 +13,6 @@ keeps working for code that used the API before these classes existed.
 
 from __future__ import annotations
 
-import os
-import signal
-import sys
-from collections.abc import Callable
-
 
 class UserError(Exception):
     """Input that the program cannot use: the command line prints it on one line, exits 1."""
@@ -66,40 +61,3 @@ def one_line(error: BaseException) -> str:
     parts = [part.strip() for part in str(error).splitlines()]
     text = "; ".join(part for part in parts if part)
     return text.replace(":;", ":")
-
-
-INTERRUPTED = 130  # the shell's status for a program ended by Ctrl-C (128 + SIGINT)
-
-
-def report_user_errors(prog: str, body: Callable[[], int]) -> int:
-    """Run ``body`` and return its exit status; a ``UserError`` becomes one line on stderr,
-    ``<prog>: error: <message>`` (argparse's form), and status 1; Ctrl-C becomes
-    ``interrupted``'s one line. Other exceptions propagate with their traceback."""
-    try:
-        return body()
-    except UserError as exc:
-        print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return interrupted(prog)
-
-
-def interrupted(prog: str) -> int:
-    """What Ctrl-C ends a command with: ``<prog>: interrupted`` on stderr, on a line of its
-    own, then the end of ``end_as_interrupted``."""
-    print(f"\n{prog}: interrupted", file=sys.stderr)
-    return end_as_interrupted()
-
-
-def end_as_interrupted() -> int:
-    """End the way Ctrl-C ends a program, by SIGINT itself, once every ``finally`` has run: the
-    shell then reads status 130 and a script that runs us stops too (what Python does for a
-    KeyboardInterrupt nobody catches, and what it would do anyway, now and then, after one that
-    landed inside ``exec``). Where a process cannot signal itself, status 130."""
-    if os.name != "posix":
-        return INTERRUPTED
-    sys.stdout.flush()
-    sys.stderr.flush()
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGINT)
-    return INTERRUPTED  # not reached: the signal ends the process

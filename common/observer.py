@@ -3,13 +3,15 @@
 Every step's engine and KV cache manager report each round's events here: a request admitted,
 a chunk or token scheduled, blocks adopted, allocated and evicted for it, a full block offered
 to the prefix cache, a request preempted or freed, the cache reset. The trace of
-``run.py --trace`` (``common/front/trace.py``) and the benchmark's count of the model's work
+``run.py --trace`` (``front/trace.py``) and the benchmark's count of the model's work
 are observers; neither changes a line of the engine or replaces any of its methods.
 
 This class is the default observer and ignores everything. A watcher subclasses it,
 overrides what it needs, and is attached with ``engine.add_observer(watcher)``
-(``remove_observer`` detaches it); several can watch one engine at once (a server's metrics and
-``--trace``), each told every event in the order they were added (``Observers``). A method is
+(``remove_observer`` detaches it); several can watch one engine at once (``--trace`` and the
+bench's count), each told every event in the order they were added (``Observers``). (A
+server's metrics are not an observer: they read the engine's stats and each round's outputs
+as ``AsyncLLM`` hands them on, in the server's process.) A method is
 called *when* its event happens, so the watcher may read the engine's state right then
 (``engine.snapshot()``); it must not change it. (vLLM's ``BlockPool`` has the same kind of hook
 for its metrics: a ``KVCacheMetricsCollector`` told of every allocation, access and eviction.)

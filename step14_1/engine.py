@@ -64,7 +64,7 @@ class PagedPrefixCacheEngine:
             model.cfg.total_blocks, self.block_size, enable_prefix_cache, enable_kv_cache_events
         )
         self.scheduler = PagedScheduler(max_running)
-        self.observer = Observers()  # whoever watches: the trace, a server's metrics
+        self.observer = Observers()  # whoever watches: the trace, the bench's count of work
         self.kv_cache_manager.observer = self.observer
         self._counters = EngineStats()
         self._next_id = 0
@@ -167,7 +167,7 @@ class PagedPrefixCacheEngine:
 
     def add_observer(self, observer: RoundObserver) -> None:
         """Tell ``observer`` every event of every round from now on (``common/observer.py``),
-        besides whoever watches already: the trace and a server's metrics can watch together."""
+        besides whoever watches already: the trace and the bench's count can watch together."""
         self.observer.add(observer)
 
     def remove_observer(self, observer: RoundObserver) -> None:

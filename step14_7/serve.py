@@ -1,7 +1,7 @@
 """The OpenAI-compatible server over this step's engine: ``python -m <this step>.serve --model
 DIR`` (``--help``).
 
-The server is the same for every step, so it lives in ``common/front/serve/``; only the engine
+The server is the same for every step, so it lives in ``front/serve/``; only the engine
 it drives, this step's, differs.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from common.front.serve import cli
+from front.serve import cli
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """``python -m <this step>.run``: the chapter's demo with this step's engine, or, with ``--model
 DIR``, a checkpoint's text (``--help``, and ``--model DIR --help``).
 
-The front ends are the same for every step, so they live in ``common/front/``; only the engine
+The front ends are the same for every step, so they live in ``front/``; only the engine
 they drive, this step's, differs.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from common.front import main as front_ends
+from front import main as front_ends
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from common.config import ModelConfig
-from common.front.steps import load_step
+from front.steps import load_step
 from tests.helpers import STEP_NAMES, EngineFactory, guard_against_hangs, tiny_config
 
 # The test model is tiny: a second thread only adds synchronisation, and on a busy 2-core
@@ -83,7 +83,7 @@ def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     its workload's run (where any model is loaded, the machine timed or the reference built); a
     step's ``run.py`` (the demo) loading its step."""
     from bench import cli
-    from common.front import demo
+    from front import demo
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("work started before the flags were checked")
@@ -108,7 +108,7 @@ def toy_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
     from common.config import preset
-    from common.front.hf import hf_llama
+    from front.hf import hf_llama
 
     words = "<unk> <s> </s> the capital of france is water boils at you are a concise assistant"
     vocab = {word: i for i, word in enumerate(words.split())}

@@ -28,10 +28,10 @@ import pytest
 import torch
 
 from common.config import ModelConfig, preset
-from common.front.steps import FIXES, STEPS, available_steps
 from common.numbers import cdiv
 from common.observer import RoundObserver
 from common.reference import ReferenceModel, reference_generate
+from front.steps import FIXES, STEPS, available_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP_NAMES = available_steps()

@@ -38,7 +38,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 HOOK = """
 import sys, time
-from common.front.steps import load_step
+from front.steps import load_step
 engine_class = load_step({step!r}).PagedPrefixCacheEngine
 real_abort = engine_class.abort
 def abort(self, request_id):

@@ -44,7 +44,8 @@ IGNORED = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", "
 class Mutant:
     id: str
     step: str  # the step whose tests must catch it (for common/, one step stands for all)
-    file: str  # in the step's folder; or, starting with "common/" or "bench/", in the repository
+    file: str  # in the step's folder; or, starting with "common/", "front/" or "bench/", in the
+    # repository
     old: str  # must occur exactly once in the file
     new: str
     what: str
@@ -54,7 +55,7 @@ class Mutant:
     @property
     def path(self) -> str:
         """The mutated file, relative to the repository."""
-        shared = self.file.startswith(("common/", "bench/"))  # not in a step's folder
+        shared = self.file.startswith(("common/", "front/", "bench/"))  # not in a step's folder
         return self.file if shared else f"{self.step}/{self.file}"
 
 
@@ -601,7 +602,7 @@ MUTANTS = [
       "if limit is None or prompt_len + max_new_tokens <= limit:",
       "if limit is None or prompt_len + max_new_tokens < limit:",
       "a request exactly as long as the context is refused"),
-    M("c-errors-no-interrupt", "step14", "common/errors.py",
+    M("c-errors-no-interrupt", "step14", "front/exits.py",
       "    except KeyboardInterrupt:\n        return interrupted(prog)\n",
       "", "Ctrl-C ends a command with a traceback", tests=("tests/core/test_guards.py",)),
     # ---- common/inputs.py: the request checks of every step (step14's tests stand for all) ----
@@ -645,47 +646,47 @@ MUTANTS = [
       "return self.seqs_scheduled / self.rounds if self.rounds else 0.0",
       "return self.seqs_scheduled // self.rounds if self.rounds else 0.0",
       "seqs_per_round rounded down"),
-    # ---- common/front/demo.py: the chapter's demo, for every step ------------------------------------
-    M("c-demo-pool-bound", "step14", "common/front/demo.py",
+    # ---- front/demo.py: the chapter's demo, for every step ------------------------------------
+    M("c-demo-pool-bound", "step14", "front/demo.py",
       "return max(len(p) for p in demo_prompts(", "return min(len(p) for p in demo_prompts(",
       "the demo checks its pool against its shortest request, not its longest",
       tests=("tests/front/test_cli.py", "tests/front/test_run_demo.py")),
-    M("c-demo-inexact-passes", "step14", "common/front/demo.py",
+    M("c-demo-inexact-passes", "step14", "front/demo.py",
       "    if ok or exact:\n", "    if ok:\n",
       "a float32 token mismatch only warns",
       tests=("tests/front/test_cli.py", "tests/front/test_run_demo.py")),
-    M("c-demo-decode-note", "step14", "common/front/demo.py",
+    M("c-demo-decode-note", "step14", "front/demo.py",
       "    if off.computed_decode_tokens:\n", "    if True:\n",
       "the note on decode shows when nothing was decoded",
       tests=("tests/front/test_cli.py", "tests/front/test_run_demo.py")),
-    M("c-demo-checks-pass", "step14", "common/front/demo.py",
+    M("c-demo-checks-pass", "step14", "front/demo.py",
       "return 0 if all(ok for ok, _ in checks) else 1", "return 0",
       "the demo exits 0 whatever its checks say",
       tests=("tests/front/test_cli.py", "tests/front/test_run_demo.py")),
-    M("c-demo-small-pool-always-ok", "step14", "common/front/demo.py",
+    M("c-demo-small-pool-always-ok", "step14", "front/demo.py",
       "f\"Small pool: outputs identical to the reference ({n})\", small.outputs, reference, exact",
       "f\"Small pool: outputs identical to the reference ({n})\", small.outputs, small.outputs, exact",
       "the small-pool check compares the outputs with themselves: always ✅",
       tests=("tests/front/test_cli.py", "tests/front/test_run_demo.py")),
-    M("c-demo-small-pool-refcounts", "step14", "common/front/demo.py",
+    M("c-demo-small-pool-refcounts", "step14", "front/demo.py",
       "    if small.problems:\n        return False, f\"{line}; ref counts broken",
       "    if False:\n        return False, f\"{line}; ref counts broken",
       "the small-pool check ignores broken ref counts",
       tests=("tests/front/test_cli.py", "tests/front/test_run_demo.py")),
-    # ---- common/front/main.py, text.py, text_cli.py, stream.py: run.py's front ends -----------------
-    M("c-main-ctrl-c-in-imports", "step14", "common/front/main.py",
+    # ---- front/main.py, text.py, text_cli.py, stream.py: run.py's front ends -----------------
+    M("c-main-ctrl-c-in-imports", "step14", "front/main.py",
       "    except KeyboardInterrupt:\n        return interrupted(", "    except ImportError:\n        return interrupted(",
       "Ctrl-C while the front end and torch are imported is a traceback",
       tests=("tests/front/test_cli.py",)),
-    M("c-text-filter-without-temperature", "step14", "common/front/text_cli.py",
+    M("c-text-filter-without-temperature", "step14", "front/text_cli.py",
       "if filters and args.temperature == 0:", "if filters and args.temperature < 0:",
       "--top-k / --top-p without --temperature are silently greedy",
       tests=("tests/front/test_streaming.py",)),
-    M("c-text-empty-prompt", "step14", "common/front/chat.py",
+    M("c-text-empty-prompt", "step14", "front/codec.py",
       "        if prompt == \"\":\n", "        if prompt is None:\n",
       "generate_text serves an empty prompt (a BOS alone)",
       tests=("tests/front/test_streaming.py",)),
-    M("c-text-cache-note-without-system", "step14", "common/front/text.py",
+    M("c-text-cache-note-without-system", "step14", "front/text.py",
       "if not requests.system_tokens or not text or shared >= block_size:",
       "if not text or shared >= block_size:",
       "the note on a short shared prefix comes without a system prompt (the chat markup alone)",
@@ -695,17 +696,17 @@ MUTANTS = [
       "if not isinstance(sampling_params, (list, tuple)) or len(sampling_params) == 1:",
       "a one-item sampling_params list is spread over every prompt",
       tests=("tests/front/test_streaming.py",)),
-    M("c-stream-hold-at-any-fffd", "step14", "common/front/stream.py",
+    M("c-stream-hold-at-any-fffd", "step14", "front/stream.py",
       "if text.endswith(REPLACEMENT_CHAR):", "if REPLACEMENT_CHAR in text:",
       "the stream freezes after a byte no token completes, until the answer ends",
       tests=("tests/front/test_streaming.py",)),
-    # ---- common/front/trace.py: the round-by-round trace ----------------------------------------------
-    M("c-trace-copy-as-orphan", "step14", "common/front/trace.py",
+    # ---- front/trace.py: the round-by-round trace ----------------------------------------------
+    M("c-trace-copy-as-orphan", "step14", "front/trace.py",
       "        elif block_index and seq.block_table[block_index - 1] not in cache:",
       "        elif seq.block_table[block_index - 1] not in cache:",
       "a refused first block is traced as an orphan (its 'parent' read off the table's end)",
       tests=("tests/front/test_trace.py",)),
-    M("c-trace-short-of-chunk", "step14", "common/front/trace.py",
+    M("c-trace-short-of-chunk", "step14", "front/trace.py",
       "        self._next[seq.seq_id] = \"token\" if work.kind == \"decode\" or work.last_chunk else \"chunk\"",
       "        self._next[seq.seq_id] = \"token\" if work.kind == \"decode\" else \"chunk\"",
       "a request whose prefill just ended is traced as short of its next chunk, not token",
@@ -717,11 +718,11 @@ MUTANTS = [
       "        self.observer.allocated(seq, computed_blocks, new, evicted)\n",
       "        self.observer.allocated(seq, computed_blocks, new, [])\n",
       "the observer is not told which blocks were evicted"),
-    M("c-trace-resumed-as-new", "step14", "common/front/trace.py",
+    M("c-trace-resumed-as-new", "step14", "front/trace.py",
       "work.resumed = seq.num_preemptions > 0", "work.resumed = seq.num_preemptions > 1",
       "a request resumed after its first preemption is traced as new",
       tests=("tests/front/test_trace.py",)),
-    M("c-trace-abort-of-preempted", "step14", "common/front/trace.py",
+    M("c-trace-abort-of-preempted", "step14", "front/trace.py",
       "work.ended = ENDINGS[seq.status] if self._in_round else \"aborted\"",
       "work.ended = ENDINGS.get(seq.status, \"aborted\")",
       "an aborted request that was preempted is traced as preempted",

@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.workloads.shared_prefix import SharedPrefix
 from common.config import preset
-from common.front.steps import STEPS, load_step
+from front.steps import STEPS, load_step
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 from common.config import PRESETS, preset
-from common.front.hf import hf_config_dict
 from common.weights import make_state_dict
+from front.hf import hf_config_dict
 
 
 def save(folder: Path, preset_name: str) -> None:

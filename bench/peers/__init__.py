@@ -3,7 +3,7 @@
 
 Each is optional: without its package (the ``hf`` and ``peers`` extras) its rows are skipped
 with one line that says what to install. Both start from the model's Hugging Face twin, a
-``LlamaForCausalLM`` holding the very same tensors (``common.front.hf``); CTranslate2 converts
+``LlamaForCausalLM`` holding the very same tensors (``front.hf``); CTranslate2 converts
 it with its own converter. Their tokens must equal the dense reference's, like every row's.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from common.config import ModelConfig
-from common.front.hf import default_max_positions, hf_llama
+from front.hf import default_max_positions, hf_llama
 
 from ..batch import Row, RunResult
 from ..options import BenchOptions

@@ -1,7 +1,7 @@
 """The Hugging Face row: ``LlamaForCausalLM.generate`` on the same weights and prompts.
 
 Our parameter names are HF's, so the very same state dict loads into ``LlamaForCausalLM``
-(``common.front.hf``, which the tests also use as their outside oracle). All prompts go in one
+(``front.hf``, which the tests also use as their outside oracle). All prompts go in one
 batch (one length: no padding), greedy, and HF keeps a dense KV cache, ``[batch, positions]``
 per layer, every prompt token computed: nothing is shared.
 """

@@ -22,9 +22,9 @@ from bench.reference import Reference
 from bench.workloads.pressure import Pressure
 from bench.workloads.shared_prefix import SharedPrefix
 from common.config import preset
-from common.front.steps import available_steps, load_step
-from common.front.workload import PRESSURE_EOS_AT, shared_prefix_prompts
 from common.reference import ReferenceModel, reference_generate
+from front.steps import available_steps, load_step
+from front.workload import PRESSURE_EOS_AT, shared_prefix_prompts
 
 WORKLOAD = SharedPrefix(
     num_requests=8, prefix_len=128, tail_len=16, max_new_tokens=16, max_running=8

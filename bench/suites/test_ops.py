@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from common.config import preset
-from common.front.steps import available_steps, load_step
 from common.numbers import cdiv
+from front.steps import available_steps, load_step
 
 CFG = preset("bench", total_blocks=(4096 + 256) // 16 + 8)
 CASES = [(t, ctx) for ctx in (512, 4096) for t in (1, 16, 256)]

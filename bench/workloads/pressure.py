@@ -8,7 +8,7 @@ worst-case reservation would (prompt + max new tokens reserved for each).
 
 It shows what memory on demand buys over reserving each request's worst case. Each eos is a
 token the dense reference's own answer has at a seeded position 5 to 12
-(``common/front/workload.py``, ``pressure_eos``). The first paragraph here is its part of
+(``front/workload.py``, ``pressure_eos``). The first paragraph here is its part of
 ``python -m bench --help``.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from common.front.workload import (
+from front.workload import (
     PRESSURE_EOS_AT,
     pressure_eos,
     pressure_prompt_lengths,

@@ -34,8 +34,8 @@ import torch
 
 from common.config import PRESETS
 from common.device import synchronize
-from common.front.cli import plural
 from common.inputs import blocks_for_request
+from front.cli import plural
 
 from .. import charts
 from ..cells import Cell, markdown

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from common.device import synchronize
-from common.front.cli import plural
+from front.cli import plural
 
 from ..cells import SPREAD_FLAG, Cell, flagged_note, markdown
 from ..endpoint import Endpoint, check_reachable, endpoint_serve, reset_prefix_cache

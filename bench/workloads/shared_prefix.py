@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.front.workload import shared_prefix_prompts
 from common.numbers import cdiv
+from front.workload import shared_prefix_prompts
 
 from ..batch import BatchRunner, Row
 from ..models import check_pool_fits

@@ -182,8 +182,8 @@ def test_bench_accepts_the_edge_values() -> None:
 
 def test_the_engine_flags_are_the_front_ends_own() -> None:
     """--device, --dtype, --block-size, --total-blocks, --threads and --no-memory-check come
-    from ``common.front.cli.add_engine_flags``: the same help as the demo's."""
-    from common.front.cli import ENGINE_FLAGS
+    from ``front.cli.add_engine_flags``: the same help as the demo's."""
+    from front.cli import ENGINE_FLAGS
 
     actions = {a.dest: a for a in cli.build_parser()._actions}
     for dest in ("device", "block_size", "total_blocks", "threads"):

@@ -170,7 +170,7 @@ def test_warm_prefix_serves_the_prefix_from_the_cache(cold_runs) -> None:
 def test_hf_dense_cache_formula_matches_its_real_cache() -> None:
     """``dense_kv_bytes`` against the cache ``generate`` really returns."""
     pytest.importorskip("transformers")
-    from common.front.hf import hf_llama
+    from front.hf import hf_llama
 
     cfg = preset("tiny", num_kv_heads=2)
     model = hf_llama(cfg)

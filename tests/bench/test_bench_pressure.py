@@ -33,8 +33,8 @@ from bench.workloads import pressure
 from bench.workloads.pressure import Pressure
 from bench.workloads.shared_prefix import SharedPrefix
 from common.config import preset
-from common.front.workload import pressure_prompt_lengths, pressure_prompts
 from common.inputs import blocks_for_request
+from front.workload import pressure_prompt_lengths, pressure_prompts
 from tests.helpers import MAX_ROUNDS_PER_ENGINE, STEP_NAMES, bench_usage_error
 
 pytestmark = pytest.mark.usefixtures("guard_every_engine")

@@ -20,7 +20,7 @@ import torch
 from bench import cli
 from bench.workloads import scale
 from common.config import preset
-from common.front.steps import load_step
+from front.steps import load_step
 from tests.helpers import STEP_NAMES, bench_usage_error
 
 SMALL_RUN = ["--workload", "scale", "--sweep-requests", "8,16", "--sweep-cached", "0,64"]

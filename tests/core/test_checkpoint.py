@@ -51,11 +51,11 @@ from bench.cli import main as bench_main
 from common.checkpoint import config_from_hf, eos_token_ids, load_checkpoint
 from common.config import ModelConfig, preset
 from common.errors import CheckpointError
-from common.front import text_cli
-from common.front.chat import load_tokenizer
-from common.front.cli import EngineOptions
-from common.front.hf import default_max_positions, hf_llama
-from common.front.text import TextCodec, TextOptions, generate_text
+from front import text_cli
+from front.cli import EngineOptions
+from front.codec import TextCodec, load_tokenizer
+from front.hf import default_max_positions, hf_llama
+from front.text import TextOptions, generate_text
 from tests.helpers import STEP_NAMES, edit_json, hf_greedy
 from tests.toy_checkpoint import CFG, VOCAB, WORDS, word_tokenizer
 

@@ -23,7 +23,8 @@ from bench import cli as bench_cli
 from bench.workloads.shared_prefix import SharedPrefix
 from common import memory
 from common.errors import ContextLengthError, RequestError, ResourceError
-from common.front import demo
+from front import demo
+from front.main import main
 from tests.helpers import ROOT, STEP_NAMES, tiny_config, usage_error
 
 MIB = 2**20
@@ -66,18 +67,32 @@ def test_the_check_can_be_skipped(step: ModuleType, small_machine, monkeypatch) 
     step.TinyTransformerPaged(tiny_config())  # no error: the user knows better
 
 
-def test_a_checkpoint_is_refused_before_its_weights_are_read(
-    toy_checkpoint: Path, small_machine, monkeypatch: pytest.MonkeyPatch
+def test_a_checkpoint_whose_weights_do_not_fit_is_refused_before_any_is_read(
+    toy_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
+    """A machine that holds the KV pool but not the weights too: ``from_pretrained`` refuses
+    before a weight is read (``read_safetensors``, what the loading path calls, would fail
+    the test), and the command line says it in one line."""
     import common.checkpoint
 
-    def never(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the weights were read before the memory check")
+    step_name = STEP_NAMES[-1]
+    cfg = common.checkpoint.checkpoint_config(toy_checkpoint, total_blocks=64)
+    room = memory.kv_pool_bytes(cfg) + memory.weight_bytes(cfg) // 2  # the pool fits alone
+    monkeypatch.delenv(memory.SKIP_ENV, raising=False)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: room)
 
-    monkeypatch.setattr(common.checkpoint, "read_weights", never)
-    step = __import__(STEP_NAMES[-1])
-    with pytest.raises(ResourceError, match="not enough memory"):
-        step.TinyTransformerPaged.from_pretrained(toy_checkpoint, total_blocks=4096)
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a weight was read before the memory check")
+
+    monkeypatch.setattr(common.checkpoint, "read_safetensors", never)
+    step = __import__(step_name)
+    with pytest.raises(ResourceError, match="not enough memory") as refused:
+        step.TinyTransformerPaged.from_pretrained(toy_checkpoint, config=cfg)
+    assert "the weights" in str(refused.value)
+    argv = ["--model", str(toy_checkpoint), "--total-blocks", "64", "--prompt", "the"]
+    assert main(step_name, argv) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "not enough memory" in err and "the weights" in err
 
 
 def test_the_bench_refuses_before_it_draws_a_prompt(small_machine, monkeypatch, capsys) -> None:
@@ -318,8 +333,8 @@ def test_a_trace_png_that_cannot_be_written_says_why(tmp_path: Path, capsys) -> 
 
 
 def test_generate_text_uses_one_thread_by_default(toy_checkpoint: Path) -> None:
-    from common.front.cli import EngineOptions
-    from common.front.text import TextOptions, generate_text
+    from front.cli import EngineOptions
+    from front.text import TextOptions, generate_text
 
     before = torch.get_num_threads()
     try:

@@ -19,9 +19,9 @@ from functools import cache
 import pytest
 import torch
 
-from common.front.steps import load_step
 from common.reference import reference_generate
 from common.sampling import SamplingParams, filter_logits, sample
+from front.steps import load_step
 from tests.engine.test_random_scenarios import new_engine, scenario
 from tests.helpers import EngineFactory, reference_model, tiny_config, tokens
 

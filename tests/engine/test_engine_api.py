@@ -160,7 +160,7 @@ def test_token_hit_rate_of_the_chapter_demo(make_engine: EngineFactory) -> None:
     """Served one at a time, the demo's first request misses and the nine others adopt the
     3-block prefix: token_hit_rate is 9 * 3 blocks / all prompt tokens. Hot, all ten hit, and
     each adopts every full block of its prompt but the one holding its last token."""
-    from common.front.workload import demo_prompts
+    from front.workload import demo_prompts
 
     engine = make_engine()
     prompts = demo_prompts(VOCAB, block_size=BS)

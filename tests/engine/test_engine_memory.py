@@ -21,10 +21,10 @@ from collections.abc import Callable
 
 import pytest
 
-from common.front.workload import shared_prefix_prompts
 from common.inputs import blocks_for_request
 from common.numbers import cdiv
 from common.status import SequenceStatus
+from front.workload import shared_prefix_prompts
 from tests.helpers import (
     EngineFactory,
     blocks_needed,

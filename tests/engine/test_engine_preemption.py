@@ -18,9 +18,9 @@ from functools import cache
 
 import pytest
 
-from common.front.steps import load_step
 from common.inputs import blocks_for_request
 from common.status import SequenceStatus
+from front.steps import load_step
 from tests.helpers import EngineFactory, guard_against_hangs, reference_tokens, tiny_config, tokens
 
 BS = 4

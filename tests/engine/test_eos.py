@@ -205,9 +205,9 @@ def llama3_eos(
 ) -> dict[str, object]:
     """test_checkpoint's Llama, saved by transformers, whose generation_config.json lists two
     eos ids, Llama 3 style: two ids its answers reach mid-way, in different requests."""
-    from common.front.cli import EngineOptions
-    from common.front.hf import hf_llama
-    from common.front.text import TextOptions, generate_text
+    from front.cli import EngineOptions
+    from front.hf import hf_llama
+    from front.text import TextOptions, generate_text
 
     tc = text_checkpoint
     folder = tmp_path_factory.mktemp("llama3-eos") / "ckpt"
@@ -234,7 +234,7 @@ def test_text_stops_at_any_of_the_checkpoints_eos_ids(
 ) -> None:
     """The front end passes every eos id to the engine: the answers equal HF generate's with
     the same list, and the engine computed no token past any of them."""
-    from common.front.text import generate_text
+    from front.text import generate_text
 
     folder, eos, (_, _, prompts, options) = (
         llama3_eos["folder"],
@@ -255,7 +255,7 @@ def test_text_stops_at_any_of_the_checkpoints_eos_ids(
 
 def test_text_eos_override(llama3_eos: dict[str, object]) -> None:
     """``eos_token_id=`` replaces the checkpoint's list; ``()`` means no eos at all."""
-    from common.front.text import generate_text
+    from front.text import generate_text
 
     (*args, options), eos, free = llama3_eos["args"], llama3_eos["eos"], llama3_eos["free"]
     assert generate_text(*args, replace(options, eos_token_id=())).output_ids == free

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from common.config import ModelConfig
-from common.front.workload import demo_prompts, shared_prefix_prompts
 from common.numbers import cdiv
+from front.workload import demo_prompts, shared_prefix_prompts
 from tests.helpers import (
     EngineFactory,
     assert_engine_matches_reference,

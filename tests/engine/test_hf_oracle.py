@@ -22,9 +22,9 @@ pytest.importorskip("transformers")
 import common.layers
 import common.reference
 from common.config import Llama3RopeScaling, ModelConfig, preset
-from common.front.hf import hf_llama
 from common.numbers import cdiv
 from common.reference import ReferenceModel
+from front.hf import hf_llama
 from tests.helpers import hf_greedy as hf_greedy_of
 
 # HF computes its RoPE angles in float32 even for a float64 model, so against our float64

@@ -17,8 +17,8 @@ from types import ModuleType
 
 import pytest
 
-from common.front.steps import load_step
 from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, replay
+from front.steps import load_step
 from tests.helpers import (
     STEP_NAMES,
     guard_against_hangs,

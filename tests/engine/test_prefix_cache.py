@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from common import hashing
-from common.front.workload import demo_prompts, shared_prefix_prompts
+from front.workload import demo_prompts, shared_prefix_prompts
 from tests.helpers import (
     assert_engine_matches_reference,
     random_shared_prefix_prompts,

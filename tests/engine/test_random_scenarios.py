@@ -25,9 +25,9 @@ from types import ModuleType
 import pytest
 
 from common.config import ModelConfig
-from common.front.steps import load_step
 from common.hashing import hash_prefix_blocks
 from common.numbers import cdiv
+from front.steps import load_step
 from tests.helpers import (
     EngineFactory,
     blocks_needed,

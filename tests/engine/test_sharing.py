@@ -14,9 +14,9 @@ from types import ModuleType
 
 import pytest
 
-from common.front.steps import load_step
-from common.front.workload import demo_prompts, shared_prefix_prompts
 from common.numbers import cdiv
+from front.steps import load_step
+from front.workload import demo_prompts, shared_prefix_prompts
 from tests.helpers import EngineFactory, reference_tokens, tiny_config, tokens
 
 CFG = tiny_config()

@@ -29,16 +29,16 @@ from tokenizers import Tokenizer, processors
 
 from common.config import Llama3RopeScaling, preset
 from common.errors import UserError
-from common.front.chat import (
+from front.cli import EngineOptions
+from front.codec import (
     TextCodec,
     common_prefix_len,
     load_chat_template,
     load_tokenizer,
     messages_for,
 )
-from common.front.cli import EngineOptions
-from common.front.hf import hf_llama
-from common.front.text import TextOptions, generate_text
+from front.hf import hf_llama
+from front.text import TextOptions, generate_text
 from tests.helpers import edit_json
 from tests.toy_checkpoint import byte_level_bpe
 

@@ -32,10 +32,10 @@ import torch
 
 from bench.cli import main as bench_main
 from common.config import ModelConfig, preset
-from common.front import demo, main, text_cli
-from common.front.cli import plural
-from common.front.text import short_prefix_note
-from common.front.text_cli import describe
+from front import demo, main, text_cli
+from front.cli import plural
+from front.text import short_prefix_note
+from front.text_cli import describe
 from tests.helpers import NOT_INTEGERS, STEP_NAMES, edit_json, run_python, usage_error
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,7 +185,7 @@ def test_run_text_prints_one_token_and_the_short_system_note(tmp_path: Path, cap
     pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
     pytest.importorskip("safetensors")
-    from common.front.hf import hf_llama
+    from front.hf import hf_llama
     from tests.toy_checkpoint import CFG, word_tokenizer
 
     hf_llama(CFG).save_pretrained(tmp_path)
@@ -236,7 +236,7 @@ def test_a_flag_of_the_other_front_end_says_which_flag_it_needs(
 
 def test_the_demo_does_not_import_the_text_front_end() -> None:
     """The dispatcher knows the front ends; the demo knows only itself and what they share."""
-    imported = imported_modules(ROOT / "common" / "front" / "demo.py")
+    imported = imported_modules(ROOT / "front" / "demo.py")
     assert not {"text", "text_cli", "stream", "chat"} & {name.split(".")[-1] for name in imported}
 
 

@@ -30,7 +30,7 @@ import pytest
 from bench.batch import Row, RunResult
 from bench.costs import Floor
 from bench.rows import table
-from common.front.steps import STEPS, available_steps, load_step
+from front.steps import STEPS, available_steps, load_step
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -190,7 +190,7 @@ def known_flags(program: str) -> set[str]:
     """The flags ``python -m <module> --help`` (or ``python <script.py> --help``) lists; for a
     step's ``run``, those of every front end it routes to (the demo's, and ``--model``'s)."""
     if program.endswith(".run"):
-        from common.front import main
+        from front import main
 
         parsers = [main.load(front_end).build_parser(program) for front_end in main.FRONT_ENDS]
         return set().union(*map(main.flags_of, parsers))

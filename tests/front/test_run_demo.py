@@ -8,8 +8,8 @@ import re
 import pytest
 
 from common.config import preset
-from common.front import demo
 from common.stats import EngineStats
+from front import demo
 from tests.helpers import STEP_NAMES
 
 ROUND = re.compile(

@@ -1,5 +1,5 @@
 """Text, streamed: the incremental detokenizer, sampling from the command line, ``--stream``,
-``--prompt-file`` and ``--messages`` (``common/front/stream.py``, ``common/front/text.py``).
+``--prompt-file`` and ``--messages`` (``front/stream.py``, ``front/text.py``).
 
 - The detokenizer hands out text only once it is whole: a character that byte-level BPE cut
   into several tokens is printed once its last byte has come, never as U+FFFD, and the pieces
@@ -41,18 +41,18 @@ from tokenizers import Tokenizer
 
 from common.config import preset
 from common.errors import RequestError
-from common.front import text as text_front
-from common.front.chat import load_tokenizer, text_decoder
-from common.front.cli import EngineOptions
-from common.front.hf import hf_llama
-from common.front.stream import (
+from common.sampling import SamplingParams
+from front import build
+from front.cli import EngineOptions
+from front.codec import load_tokenizer, text_decoder
+from front.hf import hf_llama
+from front.stream import (
     REPLACEMENT_CHAR,
     IncrementalDetokenizer,
     StreamPrinter,
     shorten,
 )
-from common.front.text import TextOptions, generate_text
-from common.sampling import SamplingParams
+from front.text import TextOptions, generate_text
 from tests.helpers import STEP_NAMES, SUBPROCESS_TIMEOUT_S, edit_json, usage_error
 from tests.toy_checkpoint import byte_level_bpe
 
@@ -142,12 +142,13 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 
 @pytest.fixture
 def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail the test if the text front end gets as far as loading a step (and its model)."""
+    """Fail the test if the text front end gets as far as loading a step (and its model):
+    every front end builds its engine through ``front.build``."""
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("work started before the flags were checked")
 
-    monkeypatch.setattr(text_front, "load_step", refuse)
+    monkeypatch.setattr(build, "load_step", refuse)
 
 
 # ---- the incremental detokenizer ------------------------------------------------------------
@@ -431,7 +432,7 @@ def test_a_one_item_sampling_params_list_is_refused_like_the_engine_does(
     """``generate_text`` and ``engine.generate`` agree: a list holds one ``SamplingParams``
     per prompt (vLLM's rule), so one item for two prompts is refused by both, with the same
     words; one item for one prompt is served by both."""
-    from common.front.steps import load_step
+    from front.steps import load_step
 
     one = [SamplingParams(max_tokens=2)]
     with pytest.raises(RequestError) as text_error:

@@ -1,5 +1,5 @@
-"""The round-by-round trace (``common/front/trace.py``, ``run.py --trace``) and its picture
-(``common/front/trace_plot.py``, ``run.py --trace-png FILE``).
+"""The round-by-round trace (``front/trace.py``, ``run.py --trace``) and its picture
+(``front/trace_plot.py``, ``run.py --trace-png FILE``).
 
 The trace watches an engine as its observer, replacing nothing, so it must tell what the
 engine did: the blocks it
@@ -20,11 +20,11 @@ from types import ModuleType
 
 import pytest
 
-from common.front import demo
-from common.front.steps import load_step
-from common.front.trace import RoundTrace, RoundTracer, format_trace
-from common.front.workload import demo_prompts
 from common.status import SequenceStatus
+from front import demo
+from front.steps import load_step
+from front.trace import RoundTrace, RoundTracer, format_trace
+from front.workload import demo_prompts
 from tests.conftest import STEP_NAMES, guard_against_hangs, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]

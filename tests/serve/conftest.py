@@ -40,7 +40,7 @@ def chat_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import PreTrainedTokenizerFast
 
     from common.config import preset
-    from common.front.hf import hf_llama
+    from front.hf import hf_llama
     from tests.toy_checkpoint import byte_level_bpe
 
     folder = tmp_path_factory.mktemp("serve") / "toy-chat"

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from common.front.cli import EngineOptions
+from front.cli import EngineOptions
 from tests.helpers import ROOT, SUBPROCESS_TIMEOUT_S
 
 API_KEY = "test-key"
@@ -142,7 +142,7 @@ def sse_events(lines: Iterator[str]) -> Iterator[Any]:
 def tiny_engine(step_name: str) -> Any:
     """A step's engine on the test model (``tests.helpers.TINY``): what an engine process
     builds, from a name (a function of a module: it pickles)."""
-    from common.front.steps import load_step
+    from front.steps import load_step
     from tests.helpers import TINY
 
     step = load_step(step_name)

@@ -1,4 +1,4 @@
-"""``AsyncLLM`` (``common/front/serve/async_llm.py``) and its ``EngineCore``
+"""``AsyncLLM`` (``front/serve/async_llm.py``) and its ``EngineCore``
 (``engine_core.py``), without HTTP: every step's engine on a thread, and step14_7's in a
 process of its own.
 
@@ -11,7 +11,8 @@ process of its own.
   event loop goes on;
 - ``step()`` raising fails every request in flight and every later call (nothing hangs); so
   does an engine process that dies;
-- ``shutdown()`` aborts what is in flight and finds every block back in the pool.
+- the end of ``build_async_engine_client`` aborts what is in flight and finds every block
+  back in the pool.
 """
 
 from __future__ import annotations
@@ -29,8 +30,13 @@ import pytest
 pytest.importorskip("fastapi")  # the serve extra: this is its engine front
 
 from common.errors import RequestError
-from common.front.serve.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from common.sampling import RequestOutput, SamplingParams
+from front.serve.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    RequestStream,
+    build_async_engine_client,
+)
 from tests.helpers import STEP_NAMES, TINY, EngineFactory, tokens
 from tests.serve.server_process import tiny_engine
 
@@ -40,17 +46,17 @@ LONG = SamplingParams(max_tokens=200, seed=9)  # runs until it is aborted, in ev
 Body = Callable[[AsyncLLM], Coroutine[Any, Any, Any]]
 
 
-def run(llm: AsyncLLM, body: Body, fails: bool = False) -> Any:
-    """``body(llm)`` on an event loop; ``llm`` is shut down at the end, and every block must
-    be back then (unless the engine ``fails``)."""
+def run(
+    make_engine: Callable[[], Any], body: Body, fails: bool = False, in_thread: bool = True
+) -> Any:
+    """``body(llm)`` on an event loop, the engine ``make_engine()`` builds served by
+    ``build_async_engine_client``; every block must be back when it ends (unless the engine
+    ``fails``)."""
 
     async def main() -> Any:
-        llm.start()
-        try:
+        async with build_async_engine_client(TINY, make_engine, in_thread) as llm:
             result = await body(llm)
-        finally:
-            problems = await llm.shutdown()
-        assert bool(problems) == fails, problems
+        assert bool(llm.pool_problems) == fails, llm.pool_problems
         return result
 
     return asyncio.run(main())
@@ -69,7 +75,7 @@ def test_requests_from_several_coroutines_stream_the_engines_tokens(
     make_engine: EngineFactory,
 ) -> None:
     expected = make_engine().generate(PROMPTS, sampling_params=PARAMS)
-    got = run(AsyncLLM.in_thread(make_engine()), serve_prompts)
+    got = run(make_engine, serve_prompts)
     assert [out[-1].token_ids for out in got] == expected
     assert all(out[-1].finished and out[-1].finish_reason == "length" for out in got)
     assert all(not o.finished for out in got for o in out[:-1])
@@ -79,8 +85,7 @@ def test_an_engine_in_a_process_of_its_own_streams_the_same(make_engine: EngineF
     """The process is started with ``spawn``: its engine is built there, from the step's name
     (step14_7's: one process start is enough to show the path)."""
     expected = make_engine().generate(PROMPTS, sampling_params=PARAMS)
-    llm = AsyncLLM.in_process(functools.partial(tiny_engine, STEP_NAMES[-1]), TINY)
-    got = run(llm, serve_prompts)
+    got = run(functools.partial(tiny_engine, STEP_NAMES[-1]), serve_prompts, in_thread=False)
     assert [out[-1].token_ids for out in got] == expected
 
 
@@ -96,7 +101,7 @@ def test_a_bad_request_is_refused_at_once_and_the_engine_never_sees_it(
         with pytest.raises(RequestError, match="empty"):
             llm.add_request([], LONG)
 
-    run(AsyncLLM.in_thread(engine), body)
+    run(lambda: engine, body)
     assert engine.stats.requests == 0
 
 
@@ -107,7 +112,7 @@ def test_abort_from_a_coroutine_ends_the_stream(make_engine: EngineFactory) -> N
         llm.abort(stream)
         return [first] + await outputs(stream)
 
-    got = run(AsyncLLM.in_thread(make_engine()), body)
+    got = run(make_engine, body)
     assert got[-1].finished and got[-1].finish_reason == "abort"
     assert len(got[-1].token_ids) < LONG.max_tokens
 
@@ -144,7 +149,7 @@ def test_no_lock_is_held_across_a_model_call(make_engine: EngineFactory) -> None
         release.set()
         return await outputs(running), await outputs(late)
 
-    running, late = run(AsyncLLM.in_thread(engine), body)
+    running, late = run(lambda: engine, body)
     assert running[-1].finish_reason == late[-1].finish_reason == "abort"
     assert late[-1].token_ids == [] and engine.stats.requests == 1
 
@@ -178,14 +183,13 @@ def test_when_step_raises_every_request_fails_and_nothing_hangs(
             await llm.call("reset_prefix_cache")
         assert "the model failed" in llm.dead
 
-    run(AsyncLLM.in_thread(engine), body, fails=True)
+    run(lambda: engine, body, fails=True)
 
 
 @pytest.mark.parametrize("step_name", STEP_NAMES[-1:])
 def test_an_engine_process_that_dies_fails_every_request(step_name: str) -> None:
     """The engine process is killed (out of memory, say) while requests run: their streams
     end with ``EngineDeadError``, and nothing hangs."""
-    llm = AsyncLLM.in_process(functools.partial(tiny_engine, step_name), TINY)
 
     async def body(llm: AsyncLLM) -> None:
         streams = [llm.add_request(p, LONG) for p in PROMPTS]
@@ -195,19 +199,17 @@ def test_an_engine_process_that_dies_fails_every_request(step_name: str) -> None
             with pytest.raises(EngineDeadError, match="engine process ended"):
                 await outputs(stream)
 
-    run(llm, body, fails=True)
+    run(functools.partial(tiny_engine, step_name), body, fails=True, in_thread=False)
 
 
-def test_shutdown_aborts_what_is_in_flight_and_every_block_comes_back(
+def test_the_end_of_the_client_aborts_what_is_in_flight_and_every_block_comes_back(
     make_engine: EngineFactory,
 ) -> None:
-    async def body() -> tuple[list[str], list[RequestOutput]]:
-        llm = AsyncLLM.in_thread(make_engine())
-        llm.start()
-        stream = llm.add_request(PROMPTS[0], LONG)
-        await anext(stream)
-        problems = await llm.shutdown()
-        return problems, await outputs(stream)
+    async def body() -> tuple[list[str] | None, list[RequestOutput]]:
+        async with build_async_engine_client(TINY, make_engine, in_thread=True) as llm:
+            stream = llm.add_request(PROMPTS[0], LONG)
+            await anext(stream)
+        return llm.pool_problems, await outputs(stream)
 
     problems, rest = asyncio.run(body())
     assert problems == []

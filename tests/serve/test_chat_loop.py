@@ -1,4 +1,4 @@
-"""``python -m <step>.run --model DIR --chat`` (``common/front/chat_loop.py``): one engine, a
+"""``python -m <step>.run --model DIR --chat`` (``front/chat_loop.py``): one engine, a
 conversation turn after turn.
 
 - driven through a pipe, in every step: turn 2 is served from the cache (its prompt begins
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from common.front import main
-from common.front.chat_loop import ChatSession, chat
-from common.front.steps import load_step
-from common.front.text import TextCodec
 from common.sampling import SamplingParams
+from front import main
+from front.chat_loop import ChatSession, chat
+from front.codec import TextCodec
+from front.steps import load_step
 from tests.helpers import ROOT, STEP_NAMES, SUBPROCESS_TIMEOUT_S, usage_error
 from tests.serve.server_process import CONTEXT, ENGINE_FLAGS, ENGINE_OVERRIDES
 

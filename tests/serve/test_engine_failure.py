@@ -11,13 +11,11 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
-from common.front.serve.api_server import build_app
-from common.front.serve.async_llm import AsyncLLM
-from common.front.serve.metrics import Metrics
-from common.front.serve.serving import OpenAIServing, ServedModel
-from common.front.steps import load_step
-from common.front.text import TextCodec
+from front.codec import TextCodec
+from front.serve.serving_engine import ServedModel
+from front.steps import load_step
 from tests.helpers import STEP_NAMES
+from tests.serve.in_process import served_app
 from tests.serve.server_process import ENGINE_OVERRIDES
 
 BODY = {"prompt": "The weather is nice today", "max_tokens": 50, "temperature": 0}
@@ -38,9 +36,7 @@ def failing_app(chat_checkpoint: Path) -> Iterator[TestClient]:
 
     engine.step = failing_step
     served = ServedModel("toy", TextCodec.load(chat_checkpoint), 2048, {"temperature": 1.0})
-    llm = AsyncLLM.in_thread(engine)
-    app = build_app(llm, OpenAIServing(llm, served), Metrics("toy", model.cfg.total_blocks))
-    with TestClient(app) as client:
+    with TestClient(served_app(lambda: engine, model.cfg, served)) as client:
         yield client
 
 

@@ -12,14 +12,12 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
-from common.front.serve.api_server import build_app
-from common.front.serve.async_llm import AsyncLLM
-from common.front.serve.metrics import Metrics
-from common.front.serve.serving import OpenAIServing, ServedModel
-from common.front.steps import load_step
-from common.front.text import TextCodec
 from common.sampling import SamplingParams
+from front.codec import TextCodec
+from front.serve.serving_engine import ServedModel
+from front.steps import load_step
 from tests.helpers import STEP_NAMES
+from tests.serve.in_process import served_app
 from tests.serve.server_process import ENGINE_OVERRIDES
 
 PROMPT = "The weather is nice today"
@@ -47,9 +45,7 @@ def with_eos(chat_checkpoint: Path) -> Iterator[WithEos]:
     eos = next(t for i, t in enumerate(free) if i >= 3 and t not in free[:i])
     codec = TextCodec(codec.tokenizer, codec.template, [eos])
     served = ServedModel("toy", codec, model.cfg.max_model_len, {"temperature": 1.0})
-    llm = AsyncLLM.in_thread(engine)
-    app = build_app(llm, OpenAIServing(llm, served), Metrics("toy", model.cfg.total_blocks))
-    with TestClient(app) as client:
+    with TestClient(served_app(lambda: engine, model.cfg, served)) as client:
         yield WithEos(client, free, free.index(eos), codec)
 
 

@@ -25,9 +25,10 @@ from typing import Any
 import httpx
 import openai
 
-from common.front.steps import load_step
-from common.front.text import TextCodec, TextOptions, generate_text
 from common.sampling import SamplingParams
+from front.codec import TextCodec
+from front.steps import load_step
+from front.text import TextOptions, generate_text
 from tests.serve.server_process import (
     API_KEY,
     CONTEXT,

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -25,10 +26,12 @@ import httpx
 import pytest
 
 from common.errors import CheckpointError
-from common.front.serve import cli as serve_cli
-from common.front.serve.launch import sampling_defaults
+from front.build import EngineBuilder
+from front.serve import cli as serve_cli
+from front.serve.launch import sampling_defaults
+from front.serve.options import ServeOptions
 from tests.helpers import STEP_NAMES, usage_error
-from tests.serve.server_process import ENGINE_FLAGS, ServerProcess, is_running, sse_events
+from tests.serve.server_process import ENGINE, ENGINE_FLAGS, ServerProcess, is_running, sse_events
 
 LAST = STEP_NAMES[-1]
 
@@ -36,7 +39,7 @@ LAST = STEP_NAMES[-1]
 @pytest.fixture
 def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail the test if the server gets as far as reading the checkpoint."""
-    from common.front.serve import launch
+    from front.serve import launch
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the checkpoint was read before the checks")
@@ -173,3 +176,49 @@ def test_a_killed_server_leaves_no_engine_process_behind(busy: bool, chat_checkp
         for pid in filter(is_running, engine_processes):  # so that a failure leaves none
             os.kill(pid, signal.SIGKILL)
         server.kill()
+
+
+class KeepsBlocksOnAbort(EngineBuilder):
+    """Builds an engine whose abort keeps the request's blocks: a stop must notice."""
+
+    def __call__(self, model: object = None, **engine_args: object) -> object:
+        engine = super().__call__(model, **engine_args)
+        engine.kv_cache_manager.free = lambda seq: None
+        return engine
+
+
+def test_the_stop_reports_the_blocks_an_engine_did_not_give_back(
+    chat_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The server's own stop, in this process (an engine on a thread that leaks on abort):
+    a stream runs, SIGINT stops the server, and the line names what the pool lacks."""
+    from front.serve import launch
+
+    options = ServeOptions(str(chat_checkpoint), "127.0.0.1", 0, None, None, ENGINE, True)
+    served, builder = launch.load_served_model(LAST, options)
+    leaky = KeepsBlocksOnAbort(builder.step_name, builder.source, builder.options)
+    listener = launch.bind("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1/completions"
+
+    async def stream_then_stop() -> list[str]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {"prompt": "The cat", "max_tokens": 1500, "stream": True}
+            async with client.stream("POST", url, json=body) as answer:
+                lines = answer.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data: {"):
+                        break
+                os.kill(os.getpid(), signal.SIGINT)
+                return [line async for line in lines if line]
+
+    async def main() -> tuple[int | None, list[str]]:
+        serving = asyncio.create_task(
+            launch.run_server_worker(leaky, served, options, listener, "prog")
+        )
+        rest = await stream_then_stop()
+        return await serving, rest
+
+    stopped_by, rest = asyncio.run(main())
+    assert stopped_by == signal.SIGINT and rest[-1] == "data: [DONE]"
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert line.startswith("prog: stopped by SIGINT; pool: [") and "every block" not in line

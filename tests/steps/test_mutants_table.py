@@ -15,7 +15,7 @@ from types import ModuleType
 
 import pytest
 
-from common.front.steps import STEPS
+from front.steps import STEPS
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from common.front.steps import FIXES, STEPS
+from front.steps import FIXES, STEPS
 from tests.helpers import ROOT, STEP_NAMES, step_files
 
 PAIRS = [(a, b) for a, b in pairwise(STEPS) if a in STEP_NAMES and b in STEP_NAMES]
@@ -62,32 +62,58 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-def is_front_end_or_step(name: str) -> bool:
-    return name.startswith("common.front") or name.split(".")[0] in STEPS or name == "bench"
+# The layout reads core, steps, applications: ``common/`` (the core) is what a step imports;
+# the applications (front ends, the server, the bench, the tools) import the steps and the core.
+APPLICATIONS = ("front", "bench", "tools", "tests")
+# What only an application needs: a command line, a web server.
+APPLICATION_PACKAGES = ("argparse", "fastapi", "starlette", "uvicorn", "prometheus_client")
 
 
-CORE = sorted(p for p in (ROOT / "common").glob("*.py"))
+def is_application_or_step(name: str) -> bool:
+    return name.split(".")[0] in (*APPLICATIONS, *STEPS)
+
+
+CORE = sorted((ROOT / "common").rglob("*.py"))
+
+
+def test_the_core_is_one_flat_package() -> None:
+    """``common/`` holds modules only: a front end, a server or a CLI is an application, and
+    lives in ``front/`` (a subfolder here was once ``common/front/``, 4.6k lines of them)."""
+    folders = [p.name for p in (ROOT / "common").iterdir() if p.is_dir()]
+    assert [name for name in folders if name != "__pycache__"] == []
 
 
 @pytest.mark.parametrize("path", CORE, ids=lambda p: p.name)
-def test_the_core_imports_no_front_end_and_no_step(path: Path) -> None:
-    """``common/`` is what a step is built on: it imports neither the front ends
-    (``common/front/``) nor a step, so imports run one way, front ends -> steps -> core."""
-    assert not [name for name in imported_modules(path) if is_front_end_or_step(name)]
+def test_the_core_imports_no_application_and_no_step(path: Path) -> None:
+    """Imports run one way, applications -> steps -> core: ``common/`` imports neither an
+    application nor a step, nor what only an application needs (argparse, a web server)."""
+    names = imported_modules(path)
+    assert not [name for name in names if is_application_or_step(name)]
+    assert not [name for name in names if name.split(".")[0] in APPLICATION_PACKAGES]
+
+
+@pytest.mark.parametrize("path", CORE, ids=lambda p: p.name)
+def test_the_core_prints_nothing_and_never_exits(path: Path) -> None:
+    """The core answers with values and exceptions (``UserError`` for what a user gave); what
+    a person reads, and a program's exit status, are an application's (``front/exits.py``)."""
+    calls = [
+        node.func for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)
+    ]
+    names = {ast.unparse(func) for func in calls}
+    assert not names & {"print", "sys.exit", "os.kill", "exit", "os._exit"}
 
 
 @pytest.mark.parametrize("step_name", STEP_NAMES)
 def test_a_steps_engine_imports_only_its_own_files_and_the_core(step_name: str) -> None:
     """Every file of a step but its entry points (``run.py``, ``serve.py``: front ends) imports
-    the core of ``common/`` and its own step's files (relatively), never a front end or another
-    step."""
+    the core of ``common/`` and its own step's files (relatively), never an application or
+    another step."""
     for path in sorted((ROOT / step_name).glob("*.py")):
         if path.name in ENTRY_POINTS:
             continue
         outside = {
             name
             for name in imported_modules(path)
-            if is_front_end_or_step(name) and name.split(".")[0] != step_name
+            if is_application_or_step(name) and name.split(".")[0] != step_name
         }
         assert not outside, (path.name, outside)
-        assert not any(name.startswith("common.front") for name in imported_modules(path))

@@ -5,7 +5,13 @@
 - ``GET /health`` (200 while the engine runs), ``GET /metrics`` (``metrics.py``),
   ``POST /reset_prefix_cache``;
 - under ``/v1``, guarded by the API key when one is set: ``GET /v1/models``,
-  ``POST /v1/completions``, ``POST /v1/chat/completions`` (``serving.py``).
+  ``POST /v1/completions`` (``serving_completion.py``), ``POST /v1/chat/completions``
+  (``serving_chat.py``).
+
+The HTTP is here and only here: a handler returns an answer (a dict) or an ``EventStream``,
+and ``respond`` writes it, as JSON or as server-sent events ending with ``data: [DONE]``,
+watching meanwhile for a client that leaves (its request is then aborted). The engine's life
+is not the app's: ``launch.py`` starts it before the app serves and stops it after.
 
 Every error is OpenAI's JSON shape with its status: a bad field 400 (FastAPI's own 422 for a
 body that does not parse becomes 400, as OpenAI and vLLM answer), a missing or wrong key 401,
@@ -15,42 +21,40 @@ server's log): no request, however bad, gets one, and the next request is served
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import secrets
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from typing import Any
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from . import protocol
 from .async_llm import AsyncLLM, EngineDeadError
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
-from .serving import OpenAIServing
+from .serving_chat import OpenAIServingChat
+from .serving_completion import OpenAIServingCompletion
+from .serving_engine import EventStream, OpenAIServing, ServedModel
 
 logger = logging.getLogger("serve")
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
+T = TypeVar("T")
 
 
 def build_app(
-    llm: AsyncLLM, serving: OpenAIServing, metrics: Metrics, api_key: str | None = None
+    llm: AsyncLLM, served: ServedModel, metrics: Metrics, api_key: str | None = None
 ) -> FastAPI:
-    """The app; it starts the engine core when it starts and stops it when it stops, and
-    keeps what the stop found wrong with the pool in ``app.state.pool_problems``."""
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        llm.start()
-        yield
-        app.state.pool_problems = await llm.shutdown()
-
-    app = FastAPI(title="Paged Prefix Cache: an OpenAI-compatible server", lifespan=lifespan)
-    app.state.pool_problems = None
+    """The app over a running ``llm`` (``build_async_engine_client`` started it)."""
+    app = FastAPI(title="Paged Prefix Cache: an OpenAI-compatible server")
     add_error_handlers(app)
-    app.include_router(v1_router(serving, api_key))
+    app.include_router(v1_router(llm, served, api_key))
 
     @app.get("/health")
     async def health() -> Response:
@@ -76,8 +80,10 @@ def build_app(
     return app
 
 
-def v1_router(serving: OpenAIServing, api_key: str | None) -> APIRouter:
+def v1_router(llm: AsyncLLM, served: ServedModel, api_key: str | None) -> APIRouter:
     """``/v1/*``: the OpenAI API, behind the key."""
+    completion, chat = OpenAIServingCompletion(llm, served), OpenAIServingChat(llm, served)
+    created = int(time.time())  # /v1/models' "created"
 
     def check_key(request: Request) -> None:
         if api_key is None:
@@ -92,25 +98,67 @@ def v1_router(serving: OpenAIServing, api_key: str | None) -> APIRouter:
 
     @router.get("/models")
     async def models() -> dict[str, Any]:
-        model = serving.model
         card = {
-            "id": model.name,
+            "id": served.name,
             "object": "model",
-            "created": serving.created,
+            "created": created,
             "owned_by": "paged-prefix-cache",
-            "max_model_len": model.max_model_len,
+            "max_model_len": served.max_model_len,
         }
         return {"object": "list", "data": [card]}
 
     @router.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await serving.create_completion(body, request)
+        return await respond(request, completion, body)
 
     @router.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await serving.create_chat_completion(body, request)
+        return await respond(request, chat, body)
 
     return router
+
+
+async def respond(request: Request, serving: OpenAIServing, body: Any) -> Response:
+    """The handler's answer over HTTP: JSON, or server-sent events; a client that leaves
+    before a whole answer is ready gets nothing, and its request is aborted."""
+    answer = await until_disconnected(request, serving.create(body))
+    if answer is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody is left to read it
+    if isinstance(answer, EventStream):
+        # ``close`` runs after the response, whatever ended it (a no-op for a finished
+        # request): also when the client left before the first event was sent.
+        return StreamingResponse(
+            server_sent_events(answer.chunks),
+            media_type="text/event-stream",
+            background=BackgroundTask(answer.close),
+        )
+    return JSONResponse(answer)
+
+
+async def server_sent_events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    async for chunk in chunks:
+        yield f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """``work``'s result, or None if the client disconnected first (``work`` is cancelled
+    then: nobody is left to answer)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        gone = not task.done()
+        if gone:
+            task.cancel()
+    return None if gone else task.result()
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def add_error_handlers(app: FastAPI) -> None:

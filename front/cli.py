@@ -1,8 +1,8 @@
 """The flags every command shares, defined once: ``run.py`` (the demo and the text front end),
 ``python -m bench`` and the server take them from here.
 
-They live in ``common/`` because a step must stand on its own: ``python -m step14_3.run`` may
-import what never changes between steps, never the benchmark package.
+They live with the front ends, not in the bench, because a step's entry points must stand
+on their own: ``python -m step14_3.run`` imports the front ends, never the benchmark package.
 
 Most functions below are an argparse ``type=``: they turn the text of one flag into its value
 or raise ``argparse.ArgumentTypeError``, which argparse prints as one ``error:`` line before it
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import CONFIG_FILE
-from ..config import DTYPES
-from ..memory import SKIP_ENV
+from common.checkpoint import CONFIG_FILE
+from common.config import DTYPES
+from common.memory import SKIP_ENV
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -64,11 +64,6 @@ def dtype_name(text: str) -> str:
             f"{text!r} is not a dtype; choose from {', '.join(DTYPES)}, or auto (a checkpoint's)"
         )
     return text
-
-
-def dtype_value(name: str) -> torch.dtype | str:
-    """``--dtype``'s value for a config: the torch dtype, or ``"auto"`` for a checkpoint."""
-    return name if name == "auto" else DTYPES[name]
 
 
 def device_name(text: str) -> str:

@@ -16,13 +16,15 @@ from typing import Any
 
 import torch
 
-from ..config import PRESETS, ModelConfig, preset
-from ..device import synchronize
-from ..errors import RequestError
-from ..inputs import blocks_for_request, check_fits_pool
-from ..memory import check_memory
-from ..reference import ReferenceModel, reference_generate
-from ..stats import EngineStats
+from common.config import PRESETS, ModelConfig
+from common.device import synchronize
+from common.errors import RequestError
+from common.inputs import blocks_for_request, check_fits_pool
+from common.memory import check_memory
+from common.reference import ReferenceModel, reference_generate
+from common.stats import EngineStats
+
+from .build import ModelSource
 from .cli import (
     EngineOptions,
     HelpFormatter,
@@ -76,7 +78,7 @@ class DemoOptions:
 
     def config(self) -> ModelConfig:
         """The demo model: the "demo" preset, on the engine options' device, dtype and pool."""
-        return preset("demo", seed=self.engine.seed, **self.engine.model_overrides())
+        return ModelSource.open("demo", self.engine).cfg
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:

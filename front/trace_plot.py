@@ -2,7 +2,7 @@
 a picture of the block pool, blocks x rounds, each cell coloured by what held the block at the
 end of that round.
 
-It draws the records of ``common.front.trace.RoundTracer``. A cell is white when the block is free,
+It draws the records of ``front.trace.RoundTracer``. A cell is white when the block is free,
 dotted grey when only the prefix cache holds it (ref_count 1: evictable), filled with a
 request's colour and its id when one request holds it, and hatched with ``xN`` when N requests
 share it. A black corner says the cache holds it too. A cross marks a block the cache evicted in

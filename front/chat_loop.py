@@ -25,18 +25,18 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, replace
-from types import ModuleType
 from typing import Any, TextIO
 
 import torch
 
-from ..checkpoint import Checkpoint
-from ..errors import CheckpointError, RequestError, one_line, report_user_errors
-from ..sampling import RequestOutput, SamplingParams
+from common.errors import CheckpointError, RequestError, one_line
+from common.sampling import RequestOutput, SamplingParams
+
+from .build import EngineBuilder, ModelSource
 from .cli import EngineOptions, HelpFormatter, add_engine_flags, add_model_flag, plural, text_of
-from .steps import load_step
+from .codec import TextCodec
+from .exits import report_user_errors
 from .stream import IncrementalDetokenizer, answer_ids
-from .text import TextCodec
 from .text_cli import add_sampling_flags, sampling_params
 
 RESET, EXIT = "/reset", "/exit"
@@ -238,27 +238,23 @@ def read_options(parser: argparse.ArgumentParser, argv: list[str]) -> ChatOption
 def run(step_name: str, options: ChatOptions) -> int:
     """Load, then the loop until ``/exit`` or the end of the input. A checkpoint it cannot use
     (no chat template, ...) is one ``error:`` line and status 1."""
-    options.engine.set_threads()
     prog = f"python -m {step_name}.run"
-    return report_user_errors(prog, lambda: start_chat(load_step(step_name), options))
+    return report_user_errors(prog, lambda: start_chat(step_name, options))
 
 
-def start_chat(step: ModuleType, options: ChatOptions) -> int:
-    checkpoint = Checkpoint.open(options.model)
-    codec = TextCodec.of(checkpoint)
+def start_chat(step_name: str, options: ChatOptions) -> int:
+    source = ModelSource.open(options.model, options.engine)
+    assert source.checkpoint is not None  # --model DIR is a folder (checked at parse)
+    codec = TextCodec.of(source.checkpoint)
     if codec.template is None:
         raise CheckpointError(
-            f"{checkpoint.folder} has no chat template (chat_template.jinja or "
+            f"{source.checkpoint.folder} has no chat template (chat_template.jinja or "
             "tokenizer_config.json's chat_template): --chat writes the conversation in it; "
             "an instruct checkpoint has one"
         )
-    cfg = checkpoint.model_config(**options.engine.model_overrides())
     start = time.perf_counter()
-    model = step.TinyTransformerPaged.from_pretrained(checkpoint, config=cfg)
-    engine = step.PagedPrefixCacheEngine(
-        model, max_running=options.engine.max_running, seed=options.engine.seed
-    )
-    print(f"{step.__name__}: {options.model} (loaded in {time.perf_counter() - start:.1f} s)")
+    engine = EngineBuilder(step_name, source, options.engine)()
+    print(f"{step_name}: {options.model} (loaded in {time.perf_counter() - start:.1f} s)")
     print(f"Type a message. {RESET} starts over, {EXIT} or Ctrl-D leaves, Ctrl-C stops an answer.")
     session = ChatSession(engine, codec, options.sampling_params, options.system)
     chat(session, sys.stdin, sys.stdout)

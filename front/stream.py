@@ -30,9 +30,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
-from ..sampling import RequestOutput
-from .chat import Decode, Prompt
+from common.sampling import RequestOutput
+
 from .cli import plural
+from .codec import Decode, Prompt
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) a character
 

@@ -10,7 +10,7 @@ engine's ``EngineStats`` and the round's outputs.
 - counters, advanced by what the stats gained since the last round: prompt tokens, the prefix
   cache's queries and hits (in tokens: every prompt token is a query, every token adopted from
   the cache a hit), preemptions; and the tokens generated, from the outputs;
-- histograms, from the times each stream kept (``RequestTimes``): time to first token at a
+- histograms, from the times each stream kept (``RequestStateStats``): time to first token at a
   request's first token, time per output token at each later one (the gap since the one
   before), end-to-end latency when it finishes (an aborted request's client is gone: none).
 
@@ -32,7 +32,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from ...stats import EngineStats
+from common.stats import EngineStats
+
 from .async_llm import Delivered
 
 disable_created_metrics()  # as vLLM: no *_created series beside every counter

@@ -26,8 +26,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import Checkpoint, read_optional_json
-from ..errors import CheckpointError, MissingPackageError, RequestError, UserError
+from common.checkpoint import Checkpoint, read_optional_json
+from common.errors import CheckpointError, MissingPackageError, RequestError, UserError
+
 from .cli import plural
 
 TEMPLATE_FILE = "chat_template.jinja"

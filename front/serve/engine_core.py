@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from ...errors import UserError, one_line
-from ...sampling import RequestOutput, SamplingParams
+from common.errors import UserError, one_line
+from common.sampling import RequestOutput, SamplingParams
 
 # ---- the messages ----------------------------------------------------------------------------
 
@@ -219,24 +219,32 @@ def pipe_receiver(pipe: Connection, alive: Callable[[], bool]) -> Receive:
 
 class ThreadCore:
     """The loop on a thread of this process; ``send(message)`` to it, ``on_message`` called on
-    the core's thread with each message out."""
+    the core's thread with each message out. ``make_engine()`` builds the engine at
+    ``start``, on the caller's thread (an error there is raised as it is)."""
 
-    def __init__(self, engine: Any, on_message: Send) -> None:
+    def __init__(self, make_engine: Callable[[], Any], on_message: Send) -> None:
+        self.make_engine = make_engine
+        self.on_message = on_message
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        core = EngineCore(engine)
-        receive = queue_receiver(self.inbox)
-        self.thread = threading.Thread(
-            target=core.run, args=(receive, on_message), name="engine", daemon=True
-        )
+        self.thread: threading.Thread | None = None
 
     def start(self) -> None:
+        core = EngineCore(self.make_engine())
+        receive = queue_receiver(self.inbox)
+        self.thread = threading.Thread(
+            target=core.run, args=(receive, self.on_message), name="engine", daemon=True
+        )
         self.thread.start()
 
     def send(self, message: Any) -> None:
         self.inbox.put(message)  # reentrant: safe from a signal handler
 
+    def kill(self) -> None:
+        """Nothing to end: an engine being built on a thread finishes, and is dropped."""
+
     def join(self) -> None:
-        self.thread.join()
+        if self.thread is not None:
+            self.thread.join()
 
 
 class ProcessCore:
@@ -307,6 +315,11 @@ class ProcessCore:
             pass
         self.on_message(Dead(f"the engine process ended (exit code {self.process.exitcode})"))
         self.on_message(Stopped(["the engine process ended"]))
+
+    def kill(self) -> None:
+        """End the process at once (a start given up: its engine is being built)."""
+        if self.process.is_alive():
+            self.process.kill()
 
     def join(self) -> None:
         self.process.join()

@@ -1,7 +1,7 @@
 """Text in, text out: a real checkpoint's tokenizer around any step's engine.
 
 ``TextCodec`` is the checkpoint's text side, loaded once: it turns a prompt (written in the
-checkpoint's chat template when it has one, ``chat.py``) or a whole conversation into token
+checkpoint's chat template when it has one, ``codec.py``) or a whole conversation into token
 ids, and an answer's ids back into text. ``generate_text(step, model_dir, prompts,
 TextOptions(...))`` serves the prompts through the step's engine, round by round as a server
 drives it, and decodes; ``run.py --model DIR`` (``text_cli.py``) does the same from its flags.
@@ -20,21 +20,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from ..checkpoint import Checkpoint
-from ..config import ModelConfig
-from ..errors import RequestError
-from ..inputs import Request, as_eos_ids, check_requests, long_context_warning
-from ..sampling import RequestOutput, SamplingParams
-from .chat import Prompt, TextCodec, check_prompts, common_prefix_len, prompt_label
+from common.config import ModelConfig
+from common.errors import RequestError
+from common.inputs import Request, as_eos_ids, check_requests, long_context_warning
+from common.sampling import RequestOutput, SamplingParams
+
+from .build import EngineBuilder, ModelSource
 from .cli import EngineOptions, plural
-from .steps import load_step
+from .codec import Prompt, TextCodec, check_prompts, common_prefix_len, prompt_label
 from .stream import answer_ids, shorten
 
 OnOutput = Callable[[int, RequestOutput], object]  # (the prompt's index, what a round made)
@@ -94,14 +94,17 @@ class TextResult:
 class TextRequests:
     """Requests ready to serve, checked without reading a single weight."""
 
-    checkpoint: Checkpoint
-    cfg: ModelConfig  # what the model will be built with
+    source: ModelSource  # the checkpoint, and the config the model will be built with
     codec: TextCodec
     prompts: list[Prompt]
     requests: list[Request]  # one per prompt, as the engine takes it
     eos_token_ids: list[int]
     system_tokens: int
     warning: str | None  # ``long_context_warning``'s, for a caller to show
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.source.cfg
 
 
 def generate_text(
@@ -126,39 +129,33 @@ def generate_text(
         model: the checkpoint already loaded (``from_pretrained``), to reuse its weights; an
             engine option that would build another model is then refused, not ignored.
         on_engine: called with the engine before it serves anything (``run.py --trace``
-            attaches a ``common.front.trace.RoundTracer`` there).
+            attaches a ``front.trace.RoundTracer`` there).
         on_output: called as ``on_output(index, output)`` with each ``RequestOutput`` of each
             round as it comes (``index``: the prompt's place in ``prompts``);
-            ``common.front.stream.StreamPrinter`` streams the text from there.
+            ``front.stream.StreamPrinter`` streams the text from there.
 
     Returns:
         A ``TextResult``. Everything but the weights is checked before they load: a
         ``RequestError`` or ``CheckpointError`` (both ``ValueError``) says what is wrong.
     """
     options = options or TextOptions()
-    options.engine.set_threads()
-    checkpoint = Checkpoint.open(model_dir)
+    source = ModelSource.open(model_dir, options.engine)
     if model is not None:
-        check_given_model(checkpoint, model, options.engine)
-    requests = prepare_requests(checkpoint, prompts, options, model)
-    step = load_step(step) if isinstance(step, str) else step
-    if model is None:
-        model = step.TinyTransformerPaged.from_pretrained(checkpoint, config=requests.cfg)
-    return serve(step, model, requests, options.engine, on_engine, on_output)
+        source = given_model(source, model, options.engine)
+    requests = prepare_requests(source, prompts, options)
+    step_name = step if isinstance(step, str) else step.__name__
+    engine = EngineBuilder(step_name, source, options.engine)(model)
+    return serve_requests(engine, requests, on_engine, on_output)
 
 
 def prepare_requests(
-    model_dir: str | Path | Checkpoint,
-    prompts: list[Prompt],
-    options: TextOptions,
-    model: torch.nn.Module | None = None,
+    source: ModelSource, prompts: list[Prompt], options: TextOptions
 ) -> TextRequests:
-    """Everything but the weights, checked, the checkpoint opened once: the config, the text
-    side, every request against the config, the weight files' names and shapes."""
-    overrides = options.engine.model_overrides()
-    checkpoint = Checkpoint.open(model_dir)
-    cfg = model.cfg if model is not None else checkpoint.model_config(**overrides)
-    codec = TextCodec.of(checkpoint, options.chat_template)
+    """Everything but the weights, checked: the text side, every request against the config,
+    the weight files' names and shapes."""
+    assert source.checkpoint is not None, "text needs a checkpoint: its tokenizer"
+    cfg = source.cfg
+    codec = TextCodec.of(source.checkpoint, options.chat_template)
     prompts = check_prompts(prompts)
     prompt_ids = codec.encode_all(prompts, options.system, cfg.vocab_size)
     system_tokens = codec.system_tokens(options.system, prompt_ids)
@@ -169,15 +166,13 @@ def prepare_requests(
     eos = codec.eos_token_ids if options.eos_token_id is None else list(options.eos_token_id)
     sampling, warning = options.sampling_params, long_context_warning(cfg)
     requests = check_requests(prompt_ids, max_new_tokens, eos, cfg, sampling, labels)
-    checkpoint.check_shapes(cfg)  # the weight files' headers only: milliseconds
-    return TextRequests(checkpoint, cfg, codec, prompts, requests, eos, system_tokens, warning)
+    source.checkpoint.check_shapes(cfg)  # the weight files' headers only: milliseconds
+    return TextRequests(source, codec, prompts, requests, eos, system_tokens, warning)
 
 
-def check_given_model(
-    checkpoint: Checkpoint, model: torch.nn.Module, engine: EngineOptions
-) -> None:
-    """A ``model=`` is built: an engine option that would build another is refused (it would
-    be ignored), and so is a model of another network."""
+def given_model(source: ModelSource, model: torch.nn.Module, engine: EngineOptions) -> ModelSource:
+    """The source of a ``model=`` already built: an engine option that would build another is
+    refused (it would be ignored), and so is a model of another network."""
     defaults = EngineOptions().model_overrides()
     changed = {k: v for k, v in engine.model_overrides().items() if defaults.get(k) != v}
     if changed:
@@ -187,30 +182,25 @@ def check_given_model(
             f"{given} to from_pretrained, or leave model= out",
             "model",
         )
-    on_disk = checkpoint.model_config()
-    differ = [f for f in NETWORK_FIELDS if getattr(on_disk, f) != getattr(model.cfg, f)]
+    differ = [f for f in NETWORK_FIELDS if getattr(source.cfg, f) != getattr(model.cfg, f)]
     if differ:
         raise RequestError(
-            f"model= does not match {checkpoint.folder}: {differ[0]} is "
-            f"{getattr(model.cfg, differ[0])} in the model, {getattr(on_disk, differ[0])} in "
+            f"model= does not match {source.name}: {differ[0]} is "
+            f"{getattr(model.cfg, differ[0])} in the model, {getattr(source.cfg, differ[0])} in "
             "the checkpoint",
             "model",
         )
+    return replace(source, cfg=model.cfg)
 
 
-def serve(
-    step: ModuleType,
-    model: torch.nn.Module,
+def serve_requests(
+    engine: Any,
     requests: TextRequests,
-    engine_options: EngineOptions,
     on_engine: Callable[[Any], object] | None = None,
     on_output: OnOutput | None = None,
 ) -> TextResult:
-    """The checked requests through ``step``'s engine, driven as a server drives it (every
-    request queued, then ``step()`` until no work is left), decoded."""
-    engine = step.PagedPrefixCacheEngine(
-        model, max_running=engine_options.max_running, seed=engine_options.seed
-    )
+    """The checked requests through ``engine``, driven as a server drives it (every request
+    queued, then ``step()`` until no work is left), decoded."""
     if on_engine is not None:
         on_engine(engine)
     start = time.perf_counter()
@@ -225,7 +215,7 @@ def serve(
         output_ids,
         engine.stats,
         seconds,
-        model.cfg,
+        engine.model.cfg,
         list(requests.eos_token_ids),
         requests.system_tokens,
         template.source if template is not None else None,

@@ -20,12 +20,12 @@ import sys
 from dataclasses import dataclass
 from types import ModuleType
 
-from ..errors import interrupted, report_user_errors
+from .exits import interrupted, report_user_errors
 
 
 @dataclass(frozen=True)
 class FrontEnd:
-    module: str  # in common/front/
+    module: str  # in front/
     flag: str | None  # the flag that chooses it; None: the front end run without any
     what: str  # what it serves, for the line that refuses one of its flags elsewhere
 

@@ -17,10 +17,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import ModelConfig
-from ..memory import kv_bytes_per_block
-from ..sampling import SamplingParams
-from .chat import Prompt, check_messages
+from common.config import ModelConfig
+from common.memory import kv_bytes_per_block
+from common.sampling import SamplingParams
+
+from .build import EngineBuilder, ModelSource
 from .cli import (
     EngineOptions,
     HelpFormatter,
@@ -35,9 +36,9 @@ from .cli import (
     text_of,
     trace_options,
 )
-from .steps import load_step
+from .codec import Prompt, check_messages
 from .stream import StreamPrinter, answer_head, answer_tail
-from .text import TextOptions, TextRequests, TextResult, prepare_requests, serve
+from .text import TextOptions, TextRequests, TextResult, prepare_requests, serve_requests
 from .trace import RoundTracer
 from .trace_plot import show_trace
 
@@ -246,27 +247,26 @@ def messages_file(name: str) -> list[dict[str, str]]:
 
 def run(step_name: str, options: TextRun) -> int:
     """Check, load, serve, print (``--stream``: as the answers grow), trace on request."""
-    options.text.engine.set_threads()
-    step = load_step(step_name)
-    requests = prepare_requests(options.model, options.prompts, options.text)
+    source = ModelSource.open(options.model, options.text.engine)
+    requests = prepare_requests(source, options.prompts, options.text)
     if requests.warning:
         print(f"warning: {requests.warning}", file=sys.stderr)
     if not options.asked:  # said once the checkpoint and the request are known to be sound
         print(f"no --prompt given: completing {EXAMPLE_PROMPT!r} (--prompt TEXT asks your own)")
     start = time.perf_counter()
-    model = step.TinyTransformerPaged.from_pretrained(requests.checkpoint, config=requests.cfg)
-    print(f"{step.__name__}: {options.model} (loaded in {time.perf_counter() - start:.1f} s)")
+    engine = EngineBuilder(step_name, source, options.text.engine)()
+    print(f"{step_name}: {options.model} (loaded in {time.perf_counter() - start:.1f} s)")
     print_banner(requests, options.text)
     tracers: list[RoundTracer] = []
     attach = (lambda engine: tracers.append(RoundTracer(engine))) if options.trace.wanted else None
     printer = StreamPrinter(requests.codec.decode, options.prompts) if options.stream else None
-    result = serve(step, model, requests, options.text.engine, attach, printer)
+    result = serve_requests(engine, requests, attach, printer)
     if printer is None:
         print_answers(result)
     print_summary(result)
     if tracers:
         running = options.text.engine.max_running
-        title = f"{step.__name__}: serving the prompts, max_running={running}"
+        title = f"{step_name}: serving the prompts, max_running={running}"
         show_trace(options.trace, "serving the prompts", tracers[0].rounds, title)
     return 0
 

@@ -4,9 +4,9 @@ Every other front end builds an engine, serves one batch and drops it: the prefi
 cold each time. A server keeps one engine, so a system prompt or a conversation's history
 computed for one request is adopted by every later one.
 
-The engine runs in an ``EngineCore`` loop (``engine_core.py``): on a thread of this process
-(``in_thread``) or in a process of its own (``in_process``, what the server uses). Either way
-this side only sends messages and reads what comes back:
+The engine runs in an ``EngineCore`` loop (``engine_core.py``): in a process of its own (what
+the server uses by default) or on a thread of this one (``in_thread``). Either way this side
+only sends messages and reads what comes back:
 
 - ``add_request`` (from any coroutine) checks the request with the core's own rules, so that a
   bad one is refused at once and the engine is left untouched, sends it, and hands back a
@@ -17,6 +17,10 @@ this side only sends messages and reads what comes back:
   ``on_round`` sees them too (the server's metrics);
 - if the engine raises, every request in flight gets ``EngineDeadError`` (vLLM's name), and so
   does every later call: the engine is left as the exception found it, and is not trusted again.
+
+``build_async_engine_client`` (vLLM's name) owns its life, the one way to run it: it starts the
+core, yields the client, and at the end aborts what is in flight, waits for the core to stop and
+keeps what the engine found wrong with its pool (``pool_problems``).
 """
 
 from __future__ import annotations
@@ -24,13 +28,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ...config import ModelConfig
-from ...inputs import check_request
-from ...sampling import RequestOutput, SamplingParams
+from common.config import ModelConfig
+from common.inputs import check_request
+from common.sampling import RequestOutput, SamplingParams
+
 from .engine_core import (
     Abort,
     AddRequest,
@@ -50,7 +56,7 @@ class EngineDeadError(RuntimeError):
 
 
 @dataclass
-class RequestTimes:
+class RequestStateStats:
     """When a request arrived and when its tokens reached the event loop (vLLM's
     ``RequestStateStats``): what a client waits for, so measured where the client is served."""
 
@@ -70,7 +76,7 @@ class RequestStream:
 
     def __init__(self, key: int, arrival: float) -> None:
         self.key = key  # the request's name between this side and the engine core
-        self.times = RequestTimes(arrival)
+        self.times = RequestStateStats(arrival)
         self._pending: RequestOutput | None = None
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
@@ -115,54 +121,45 @@ OnRound = Callable[[Any, Delivered, float], None]  # (EngineStats, delivered, no
 
 
 class AsyncLLM:
-    """An engine of any step, run by an ``EngineCore``, served to any number of coroutines.
+    """An engine of any step, run by an ``EngineCore``, served to any number of coroutines:
+    ``add_request`` / ``abort`` / ``call`` from any coroutine, between the start and the stop
+    that ``build_async_engine_client`` makes.
 
-    ``start()`` from a coroutine (it starts the core, unless ``start_core()`` already did),
-    then ``add_request`` / ``abort`` / ``call`` from any coroutine, and ``shutdown()`` at the
-    end. ``cfg`` is the engine's model config: what requests are checked against.
+    ``make_engine()`` builds the engine where it runs (picklable, for a process of its own);
+    ``cfg`` is its model config, what requests are checked against; ``in_thread`` runs the
+    core on a thread of this process instead (``ThreadCore``).
     """
 
     def __init__(
         self,
         cfg: ModelConfig,
-        make_core: Callable[[Callable[[Any], None]], Any],
+        make_engine: Callable[[], Any],
+        in_thread: bool = False,
         on_round: OnRound | None = None,
     ) -> None:
         self.cfg = cfg
-        self.core = make_core(self._from_core)
+        core_class = ThreadCore if in_thread else ProcessCore
+        self.core = core_class(make_engine, self._from_core)
         self.dead: str | None = None  # why the engine failed
+        self.pool_problems: list[str] | None = None  # what the stop found (empty: none)
         self._on_round = on_round
         self._streams: dict[int, RequestStream] = {}  # in flight, by key
         self._calls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Future | None = None  # the core's last word: its pool's problems
-        self._core_started = False
 
-    @classmethod
-    def in_thread(cls, engine: Any, on_round: OnRound | None = None) -> AsyncLLM:
-        """``engine`` run on a thread of this process (``ThreadCore``)."""
-        return cls(engine.model.cfg, lambda on_message: ThreadCore(engine, on_message), on_round)
-
-    @classmethod
-    def in_process(
-        cls, make_engine: Callable[[], Any], cfg: ModelConfig, on_round: OnRound | None = None
-    ) -> AsyncLLM:
-        """The engine ``make_engine()`` builds (with config ``cfg``), in a process of its own
-        (``ProcessCore``)."""
-        return cls(cfg, lambda on_message: ProcessCore(make_engine, on_message), on_round)
-
-    def start_core(self) -> None:
-        """Start the engine core (a process builds its engine here: ``EngineStartError``)."""
-        self.core.start()
-        self._core_started = True
-
-    def start(self) -> None:
-        """From a coroutine: outputs go to the running loop."""
+    async def start(self) -> None:
+        """Outputs go to the running loop from now on. The core builds its engine, and this
+        waits for it (``EngineStartError`` when it cannot), on a thread, so that the loop
+        still hears Ctrl-C: cancelled meanwhile, the engine's process is ended."""
         self._loop = asyncio.get_running_loop()
         self._stopped = self._loop.create_future()  # a dead process says it before shutdown
-        if not self._core_started:
-            self.start_core()
+        try:
+            await asyncio.to_thread(self.core.start)
+        except asyncio.CancelledError:
+            self.core.kill()
+            raise
 
     # ---- from the event loop ----------------------------------------------------------------
 
@@ -200,13 +197,14 @@ class AsyncLLM:
 
     async def shutdown(self) -> list[str]:
         """Abort what is in flight, let the engine report it, stop the core. Returns what is
-        wrong with the pool then (empty: every block is back, free or cached)."""
+        wrong with the pool then (empty: every block is back, free or cached), and keeps it
+        in ``pool_problems``."""
         assert self._stopped is not None
         self.abort_all()
         self.core.send(Stop())
-        problems = await self._stopped
+        self.pool_problems = await self._stopped
         await asyncio.to_thread(self.core.join)
-        return problems
+        return self.pool_problems
 
     def _check_alive(self) -> None:
         if self.dead is not None:
@@ -256,3 +254,23 @@ class AsyncLLM:
 def _settle(future: asyncio.Future, value: Any) -> None:
     if not future.done():  # its caller was cancelled meanwhile
         future.set_result(value)
+
+
+@asynccontextmanager
+async def build_async_engine_client(
+    cfg: ModelConfig,
+    make_engine: Callable[[], Any],
+    in_thread: bool = False,
+    on_round: OnRound | None = None,
+) -> AsyncIterator[AsyncLLM]:
+    """The engine's whole life, the one way to run an ``AsyncLLM`` (vLLM's
+    ``build_async_engine_client``): its core started (the engine built, in a process of its
+    own unless ``in_thread``), the client yielded, and on the way out, however the block
+    ends, what is in flight aborted and the core stopped. ``client.pool_problems`` then says
+    what the engine found wrong with its pool (empty: every block is back)."""
+    client = AsyncLLM(cfg, make_engine, in_thread, on_round)
+    await client.start()
+    try:
+        yield client
+    finally:
+        await client.shutdown()

@@ -13,7 +13,7 @@ trace on the same requests: the steps differ in speed, never in what happens to 
              req 1  new  adopt [0]  prefill 4-7  alloc [1]  cache [1]
              pool: 126 free, 2 in use (2 cached), 0 cached only; refs 0:3 1:2
 
-``common/front/trace_plot.py`` draws the same records as a picture (blocks x rounds).
+``front/trace_plot.py`` draws the same records as a picture (blocks x rounds).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..observer import RoundObserver
-from ..snapshot import PoolSnapshot
-from ..status import SequenceStatus
+from common.observer import RoundObserver
+from common.snapshot import PoolSnapshot
+from common.status import SequenceStatus
 
 # Why a request's blocks went back (``KVCacheManager.free``) during a round, by its status: the
 # engine frees a finished request after its last token, and a preempted one right after

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import REQUIRED_FIELDS
-from ..config import ModelConfig
-from ..weights import make_state_dict
+from common.checkpoint import REQUIRED_FIELDS
+from common.config import ModelConfig
+from common.weights import make_state_dict
 
 
 def default_max_positions(cfg: ModelConfig) -> int:

@@ -1,0 +1,21 @@
+"""The server: any step's engine, kept alive across requests, behind vLLM's OpenAI-compatible
+API (``python -m <step>.serve --model DIR``; docs/serving.md).
+
+- ``options.py``: the command line, read into ``ServeOptions``; ``cli.py``: ``main``, which
+  reads it, checks the packages and calls ``launch.py``'s ``run_server``: the server's life,
+  in order;
+- ``async_llm.py``: ``AsyncLLM``, requests and aborts from any coroutine, each request's
+  outputs as an async stream (vLLM's ``AsyncLLM``), and ``build_async_engine_client``, the one
+  owner of its life;
+- ``engine_core.py``: ``EngineCore``, the loop that owns the engine, in a process of its own
+  (vLLM's ``EngineCoreProc``) or on a thread;
+- ``protocol.py``: what a request may hold, what an answer and an error look like;
+- ``serving_engine.py``: what the generating endpoints share; ``serving_completion.py`` and
+  ``serving_chat.py``: ``/v1/completions`` and ``/v1/chat/completions``, prompt to answer;
+- ``api_server.py``: the FastAPI app, its routes, the HTTP (JSON, server-sent events, a client
+  that leaves) and its errors;
+- ``metrics.py``: ``/metrics``, vLLM's metric names.
+
+Only ``options.py`` and ``cli.py`` import without the ``serve`` extra (fastapi, uvicorn,
+prometheus_client), so that a missing package is one line, not a traceback.
+"""

@@ -1,0 +1,80 @@
+"""``python -m <step>.serve``'s command line: its flags, read once into ``ServeOptions``.
+
+Light on purpose (argparse and the flags every command shares, no web package), so that a flag
+it cannot use is one ``error:`` line before anything else is imported or loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from ..cli import EngineOptions, HelpFormatter, add_engine_flags, add_model_flag, int_range
+
+DESCRIPTION = """\
+An OpenAI-compatible server (vLLM's endpoints and metric names) over this step's engine. The
+engine lives as long as the server, so the prefix cache serves every later request what an
+earlier one computed: a shared system prompt, a conversation's history.
+
+  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{"messages": [{"role": "user", "content": "Hello"}]}'
+
+docs/serving.md: the openai client, streaming, /metrics, and the map onto vllm serve."""
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """The command line, checked: the checkpoint, where to listen, the API's names, and the
+    engine flags every command shares."""
+
+    model: str
+    host: str
+    port: int
+    api_key: str | None
+    served_model_name: str | None
+    engine: EngineOptions
+    engine_in_thread: bool = False  # vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=HelpFormatter)
+    add_model_flag(p, "a local Hugging Face Llama checkpoint directory")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (0.0.0.0: every interface; mind --api-key)",
+    )
+    p.add_argument(
+        "--port",
+        type=int_range(0, 65535),
+        default=8000,
+        help="the port (0: any free one, printed at start)",
+    )
+    p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model's name in the API (None: the --model argument)",
+    )
+    add_engine_flags(p)
+    p.add_argument(
+        "--engine-in-thread",
+        action="store_true",
+        help="run the engine on a thread of the server's process, not in a process of its own "
+        "(vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0): one process, but the engine shares Python's "
+        "GIL with the HTTP side, slower under load (docs/serving.md)",
+    )
+    return p
+
+
+def parse_args(prog: str, argv: list[str] | None) -> ServeOptions:
+    args = build_parser(prog).parse_args(argv)
+    return ServeOptions(
+        args.model,
+        args.host,
+        args.port,
+        args.api_key,
+        args.served_model_name,
+        EngineOptions.from_args(args),
+        args.engine_in_thread,
+    )

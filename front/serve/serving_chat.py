@@ -1,0 +1,70 @@
+"""``POST /v1/chat/completions`` (vLLM's ``serving_chat.py``): a conversation answered.
+
+The messages are written in the checkpoint's chat template, ending with the assistant's
+header: the ids ``generate_text`` gives the same messages. An answer may fill what the context
+has left unless the request says otherwise (vLLM's default); a stream's first chunk names the
+role, as OpenAI's does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from common.errors import one_line
+
+from . import protocol
+from .protocol import ChatCompletionRequest, OpenAIError
+from .serving_engine import EnginePrompt, OpenAIServing
+
+
+class OpenAIServingChat(OpenAIServing):
+    id_prefix = "chatcmpl"
+    whole_object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def engine_prompt(self, request: ChatCompletionRequest) -> EnginePrompt:
+        """The conversation in the checkpoint's chat markup."""
+        if self.model.codec.template is None:
+            raise OpenAIError(
+                400,
+                "this model has no chat template (chat_template.jinja or tokenizer_config.json's "
+                "chat_template): use /v1/completions",
+                param="messages",
+            )
+        try:
+            messages = request.messages
+            conversation = [text_only(message, i) for i, message in enumerate(messages, 1)]
+            return EnginePrompt(self.model.codec.chat_ids(conversation), "messages")
+        except ValueError as exc:  # a bad message, or the template refused it
+            raise OpenAIError(400, one_line(exc), param="messages") from None
+
+    def default_max_tokens(self, prompt: EnginePrompt) -> int:
+        """What the context has left (at least one: a prompt that fills it all is then
+        refused, with the numbers)."""
+        limit = self.model.max_model_len
+        return (
+            super().default_max_tokens(prompt) if limit is None else max(limit - len(prompt.ids), 1)
+        )
+
+    def whole_choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return protocol.message_choice(text, finish_reason)
+
+    def chunk_choice(self, piece: str, finish_reason: str | None) -> dict[str, Any]:
+        return protocol.delta_choice({"content": piece}, finish_reason)
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        return [protocol.delta_choice({"role": "assistant", "content": ""}, None)]
+
+
+def text_only(message: Any, number: int) -> Any:
+    """A message whose content is a list of parts (OpenAI's newer form) with its text parts
+    joined; any other part is refused: this model reads text only."""
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message
+    texts = []
+    for part in message["content"]:
+        if not (isinstance(part, dict) and part.get("type") == "text"):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"message {number}: only text parts are supported, got {kind!r}")
+        texts.append(str(part.get("text", "")))
+    return {**message, "content": "\n".join(texts)}
