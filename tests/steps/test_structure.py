@@ -117,3 +117,40 @@ def test_a_steps_engine_imports_only_its_own_files_and_the_core(step_name: str) 
             if is_application_or_step(name) and name.split(".")[0] != step_name
         }
         assert not outside, (path.name, outside)
+
+
+def project_modules() -> dict[str, Path]:
+    """Every module of the project's packages (the core, the steps, the applications), by
+    its dotted name."""
+    modules = {}
+    for top in ("common", "front", "bench", *STEP_NAMES):
+        for path in (ROOT / top).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            modules[name] = path
+    return modules
+
+
+def test_no_module_imports_itself_in_a_circle() -> None:
+    """Imports form no circle (as ``serve/cli.py`` and ``serve/launch.py`` once did): each
+    module can be read after the ones it imports. Imports inside functions count too."""
+    modules = project_modules()
+    graph = {
+        name: {
+            imported
+            for imported in imported_modules(path)
+            if imported in modules and not (name + ".").startswith(imported + ".")
+        }
+        for name, path in modules.items()
+    }  # a module's own packages are imported before it by Python itself: no arrow
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, " -> ".join([*path[path.index(name) :], name])
+        if name not in done:
+            for imported in sorted(graph[name]):
+                visit(imported, (*path, name))
+            done.add(name)
+
+    for name in sorted(graph):
+        visit(name, ())
