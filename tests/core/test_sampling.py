@@ -20,10 +20,19 @@ import pytest
 import torch
 
 from common.reference import reference_generate
-from common.sampling import SamplingParams, filter_logits, sample
+from common.sampler import SamplingState, filter_logits, sample
+from common.sampling import SamplingParams
 from front.steps import load_step
 from tests.engine.test_random_scenarios import new_engine, scenario
 from tests.helpers import EngineFactory, reference_model, tiny_config, tokens
+
+
+def drawn(logits: torch.Tensor, params: list[SamplingParams], ks: list[int]) -> list[int]:
+    """The sampler's tokens for rows whose requests have drawn ``ks[i]`` tokens so far (which
+    ones does not matter: no penalty here), nothing to hold back."""
+    states = [SamplingState(p, (), [0] * k) for p, k in zip(params, ks, strict=True)]
+    return sample(logits, states).token_ids
+
 
 # ---- SamplingParams: vLLM's names, checked when made -------------------------------------------
 
@@ -125,7 +134,7 @@ CHI2_4_DOF_999 = 18.47
 def draws(logits: torch.Tensor, params: SamplingParams, n: int) -> torch.Tensor:
     """``n`` tokens of one request: its draws 0..n-1 (k is what varies)."""
     rows = logits.expand(n, -1)
-    return torch.tensor(sample(rows, [params] * n, list(range(n))))
+    return torch.tensor(drawn(rows, [params] * n, list(range(n))))
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -148,12 +157,12 @@ def test_a_draw_depends_on_the_seed_and_k_alone() -> None:
     logits = torch.randn(6, 50, generator=g)
     params = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2, 3, 1, 2, 3)]
     ks = [0, 0, 0, 1, 1, 1]
-    together = sample(logits, params, ks)
-    alone = [sample(logits[i : i + 1], [params[i]], [ks[i]])[0] for i in range(6)]
-    reversed_rows = sample(logits.flip(0), params[::-1], ks[::-1])[::-1]
+    together = drawn(logits, params, ks)
+    alone = [drawn(logits[i : i + 1], [params[i]], [ks[i]])[0] for i in range(6)]
+    reversed_rows = drawn(logits.flip(0), params[::-1], ks[::-1])[::-1]
     assert together == alone == reversed_rows
     flat = torch.zeros(1, 1000)  # uniform: the token is the draw itself
-    picks = {sample(flat, [SamplingParams(temperature=1.0, seed=s)], [k])[0]
+    picks = {drawn(flat, [SamplingParams(temperature=1.0, seed=s)], [k])[0]
              for s in range(5) for k in range(5)}  # fmt: skip
     assert len(picks) > 20
 
@@ -161,7 +170,7 @@ def test_a_draw_depends_on_the_seed_and_k_alone() -> None:
 def test_greedy_rows_take_the_argmax_among_sampled_ones() -> None:
     logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
     params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=1, seed=0)]
-    assert sample(logits, params, [0, 0]) == [1, 1]
+    assert drawn(logits, params, [0, 0]) == [1, 1]
 
 
 # ---- every step samples the reference's tokens -----------------------------------------------
