@@ -158,7 +158,7 @@ class PagedPrefixCacheEngine:
         seq = self.scheduler.remove(request_id)
         self.kv_cache_manager.free(seq)
         seq.abort()
-        self._aborted.append(self._output(seq, []))
+        self._aborted.append(self._output(seq, [], []))
         return list(seq.generated_ids)
 
     def reset_prefix_cache(self) -> bool:
@@ -386,7 +386,7 @@ class PagedPrefixCacheEngine:
 
     @staticmethod
     def _output(
-        seq: Sequence, new_token_ids: list[int], logprobs: list[TokenLogprobs | None] = ()
+        seq: Sequence, new_token_ids: list[int], logprobs: list[TokenLogprobs | None]
     ) -> RequestOutput:
         """What the round did for ``seq``. Logprobs only if the request asked: the new
         tokens' (``logprobs``), and the prompt's once, with the request's first token."""
