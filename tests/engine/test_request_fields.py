@@ -206,17 +206,19 @@ def stats_cold_and_warm(engine) -> list[dict]:
 
 
 @cache
-def step14_stats() -> list[dict]:
+def step14_stats(total_blocks: int) -> list[dict]:
     step = load_step("step14")
-    return stats_cold_and_warm(
-        step.PagedPrefixCacheEngine(step.TinyTransformerPaged(CFG), max_running=5)
-    )
+    model = step.TinyTransformerPaged(CFG.replace(total_blocks=total_blocks))
+    return stats_cold_and_warm(step.PagedPrefixCacheEngine(model, max_running=5))
 
 
-def test_every_step_reports_step14s_stats(make_engine: EngineFactory) -> None:
-    """The same blocks computed and adopted, cold and warm, in a pool that preempts too:
-    batching changes nothing."""
-    assert stats_cold_and_warm(make_engine(CFG, max_running=5)) == step14_stats()
+@pytest.mark.parametrize("total_blocks", [64, 12], ids=["roomy", "preempting"])
+def test_every_step_reports_step14s_stats(make_engine: EngineFactory, total_blocks: int) -> None:
+    """The same blocks computed and adopted, cold and warm, in a roomy pool and in one that
+    preempts: batching changes nothing."""
+    engine = make_engine(CFG.replace(total_blocks=total_blocks), max_running=5)
+    assert stats_cold_and_warm(engine) == step14_stats(total_blocks)
+    assert (engine.stats.preemptions > 0) == (total_blocks == 12)
 
 
 def test_a_prompt_logprobs_request_adopts_nothing_but_leaves_its_blocks_cached(
