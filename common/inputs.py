@@ -62,6 +62,13 @@ def check_request(
             f"SamplingParams.stop_token_ids {outside[:5]} are outside the vocabulary [0, {vocab})",
             "stop_token_ids",
         )
+    for name in ("logprobs", "prompt_logprobs"):  # vLLM refuses past its max_logprobs
+        asked = getattr(params, name)
+        if asked is not None and asked > vocab:
+            raise RequestError(
+                f"SamplingParams.{name} {asked} asks for more tokens than the vocabulary's {vocab}",
+                name,
+            )
     stop = as_eos_ids(eos_token_id, vocab) | frozenset(params.stop_token_ids)
     check_context_length(len(prompt), params.max_tokens, cfg)
     check_fits_pool(len(prompt), params.max_tokens, cfg)

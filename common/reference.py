@@ -13,7 +13,8 @@ import torch
 
 from .config import ModelConfig
 from .layers import CausalLM, compute_dtype, rope_cos_sin
-from .sampling import GREEDY, SamplingParams, sample
+from .sampler import SamplingState, sample
+from .sampling import GREEDY, SamplingParams
 
 
 class ReferenceModel(CausalLM):
@@ -65,16 +66,20 @@ def reference_generate(
     """Decoding by recomputing the whole sequence for every new token: greedy, or drawn as
     ``sampling_params`` says (its seed given, since there is no engine to give one) with the
     engines' own sampler, which makes the k-th draw depend on the seed, k and the logits alone.
-    ``sampling_params.max_tokens`` and its stop ids are not read: ``max_new_tokens`` and
-    ``eos_token_id`` say when to stop."""
+    ``sampling_params.max_tokens`` and its stop ids do not end a request: ``max_new_tokens``
+    and ``eos_token_id`` say when to stop (``min_tokens`` holds back both kinds of id)."""
     params = sampling_params or GREEDY
     if not params.greedy and params.seed is None:
         raise ValueError("the reference samples only with a seed")
+    stop_ids = frozenset(params.stop_token_ids) | (
+        frozenset() if eos_token_id is None else {eos_token_id}
+    )
     outputs = []
     for prompt in prompts:
         tokens, generated = list(prompt), []
-        for k in range(max_new_tokens):
-            next_id = sample(model(tokens)[-1:], [params], [k])[0]
+        for _ in range(max_new_tokens):
+            state = SamplingState(params, prompt, generated, stop_ids)
+            next_id = sample(model(tokens)[-1:], [state]).token_ids[0]
             generated.append(next_id)
             tokens.append(next_id)
             if next_id == eos_token_id:

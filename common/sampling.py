@@ -1,27 +1,20 @@
-"""Sampling: what a request asks for (``SamplingParams``), what each round hands back
-(``RequestOutput``), and the sampler every step shares.
+"""Sampling's data: what a request asks for (``SamplingParams``) and what each round hands back
+(``RequestOutput``, with ``TokenLogprobs`` when asked). The sampler that computes them, shared
+by every step, is ``sampler.py`` (vLLM splits them the same way: ``sampling_params.py`` and
+``v1/sample/sampler.py``).
 
-vLLM's names throughout. Greedy (``temperature=0``, the default) takes the argmax, as the
-chapter does. Otherwise the logits go through the filters Hugging Face applies, in its order
-(temperature, then top-k, then top-p), and a token is drawn from what is left.
-
-The draw is what makes this engine's sampling special: the k-th token of a request is drawn with
-a generator seeded by (the request's seed, k) and nothing else. No generator is shared between
-requests or carried from round to round, so batching, preemption (a resumed request recomputes
-its KV but never draws a token again) and the prefix cache cannot change which token comes out:
-every step samples the same tokens, and the suite checks it as it checks greedy decoding.
+vLLM's names with vLLM's meanings, and vLLM's checks: a bad value is refused when the
+``SamplingParams`` is made, naming its field. Every field has the default that changes nothing,
+so a request that sets none of the newer ones (penalties, ``min_p``, ``min_tokens``, logprobs)
+is decoded exactly as before they existed.
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Literal
-
-import torch
 
 from .errors import RequestError
 from .numbers import is_int, is_number
@@ -34,13 +27,36 @@ MAX_SEED = 2**63  # seeds are in [0, MAX_SEED): what torch.Generator.manual_seed
 class SamplingParams:
     """How a request is decoded (vLLM's ``SamplingParams``, the fields this engine needs).
 
-    ``max_tokens``: the most tokens to generate. ``temperature``: 0 is greedy; higher flattens
-    the distribution. ``top_k``: keep the k most likely tokens (0 or -1: all). ``top_p``: keep
-    the most likely tokens whose probabilities add up to ``top_p`` (1: all). ``seed``: the
-    request's own seed (None: the engine gives it one from its seeded generator).
-    ``stop_token_ids``: ids that end the request like eos does (``finish_reason`` "stop").
-    A bad value raises ``RequestError`` (a ``ValueError``) naming the field in its message and
-    in its ``param``, when the object is made.
+    Args:
+        max_tokens: the most tokens to generate.
+        temperature: 0 is greedy (the argmax); higher flattens the distribution.
+        top_p: keep the most likely tokens whose probabilities add up to ``top_p`` (1: all).
+        top_k: keep the k most likely tokens (0 or -1: all).
+        seed: the request's own seed (None: the engine gives it one from its seeded generator).
+        stop_token_ids: ids that end the request like eos does (``finish_reason`` "stop").
+        presence_penalty: in [-2, 2]; subtracted from the logit of every token the request has
+            generated at least once (> 0: new tokens rather than repeats).
+        frequency_penalty: in [-2, 2]; subtracted once per time the request generated a token.
+        repetition_penalty: > 0; every token of the prompt or the output has a positive logit
+            divided by it, a negative one multiplied (> 1: fewer repeats; 1: off).
+        min_p: in [0, 1]; after the temperature, a token whose probability is below ``min_p``
+            times the most likely token's is dropped (0: off).
+        min_tokens: until the request has generated this many tokens (at most ``max_tokens``),
+            its eos and stop ids cannot be drawn.
+        logprobs: return, for every generated token, its log-probability and those of the
+            ``logprobs`` most likely tokens (0: the token's own only; None: nothing).
+        prompt_logprobs: the same for every prompt token but the first. Such a request does
+            not read the prefix cache (vLLM's rule: the logits of every prompt position are
+            needed, so each is computed); its blocks are still cached for others.
+
+    The penalties and ``min_tokens`` apply to greedy requests too, before the argmax (vLLM's
+    order); logprobs are the model's own (vLLM's default ``logprobs_mode``, "raw_logprobs"):
+    log_softmax of its logits before any penalty, temperature or filter. ``sampler.py`` says
+    how each is computed, and in which order.
+
+    Raises:
+        RequestError: (a ``ValueError``) a bad value, naming the field in its message and in
+            its ``param``, when the object is made.
     """
 
     max_tokens: int = 16
@@ -49,9 +65,41 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default=())
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        check = {
+        for name, (ok, what) in self._checks().items():
+            if not ok:
+                got = getattr(self, name)
+                raise RequestError(f"SamplingParams.{name} must be {what}, got {got!r}", name)
+        stop = as_stop_ids(self.stop_token_ids)
+        set_fields = object.__setattr__  # frozen: normalize once, here
+        for name in ("temperature", "top_p", "min_p", *PENALTIES):
+            set_fields(self, name, float(getattr(self, name)))
+        for name in ("max_tokens", "min_tokens"):
+            set_fields(self, name, int(getattr(self, name)))
+        for name in ("seed", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            set_fields(self, name, None if value is None else int(value))
+        set_fields(self, "top_k", max(int(self.top_k), 0))
+        set_fields(self, "stop_token_ids", stop)
+
+    def _checks(self) -> dict[str, tuple[bool, str]]:
+        """Each field: is its value good, and what a good one is (vLLM's ranges)."""
+
+        def count_or_none(value: object) -> bool:
+            return value is None or (is_int(value) and value >= 0)
+
+        def penalty(value: object) -> bool:
+            return is_number(value) and -2 <= value <= 2
+
+        return {
             "max_tokens": (is_int(self.max_tokens) and self.max_tokens >= 1, "an integer >= 1"),
             "temperature": (is_number(self.temperature) and self.temperature >= 0, "a number >= 0"),
             "top_p": (is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
@@ -60,23 +108,47 @@ class SamplingParams:
                 self.seed is None or (is_int(self.seed) and 0 <= self.seed < MAX_SEED),
                 "None or an integer in [0, 2**63)",
             ),
+            "presence_penalty": (penalty(self.presence_penalty), "a number in [-2, 2]"),
+            "frequency_penalty": (penalty(self.frequency_penalty), "a number in [-2, 2]"),
+            "repetition_penalty": (
+                is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+                "a number > 0",
+            ),
+            "min_p": (is_number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
+            "min_tokens": (
+                is_int(self.min_tokens)
+                and 0 <= self.min_tokens <= (self.max_tokens if is_int(self.max_tokens) else 0),
+                f"an integer in [0, max_tokens] (max_tokens is {self.max_tokens!r})",
+            ),
+            "logprobs": (count_or_none(self.logprobs), "None or an integer >= 0"),
+            "prompt_logprobs": (count_or_none(self.prompt_logprobs), "None or an integer >= 0"),
         }
-        for name, (ok, what) in check.items():
-            if not ok:
-                got = getattr(self, name)
-                raise RequestError(f"SamplingParams.{name} must be {what}, got {got!r}", name)
-        stop = as_stop_ids(self.stop_token_ids)
-        set_fields = object.__setattr__  # frozen: normalize once, here
-        set_fields(self, "max_tokens", int(self.max_tokens))
-        set_fields(self, "temperature", float(self.temperature))
-        set_fields(self, "top_p", float(self.top_p))
-        set_fields(self, "top_k", max(int(self.top_k), 0))
-        set_fields(self, "seed", None if self.seed is None else int(self.seed))
-        set_fields(self, "stop_token_ids", stop)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Does any penalty change the logits? (All off, the sampler skips them.)"""
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1
+        )
+
+
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The log-probabilities at one place of a request: its token's, and the most likely
+    tokens' (vLLM's ``Logprob`` entries of one position, flattened). Raw: log_softmax of the
+    model's logits there, before any penalty, temperature or filter (vLLM's default
+    ``logprobs_mode``)."""
+
+    token_id: int  # the token at this place
+    logprob: float  # its log-probability (raw: log_softmax of the model's logits)
+    top: tuple[tuple[int, float], ...]  # the N most likely (id, logprob), most likely first
 
 
 @dataclass(frozen=True)
@@ -92,6 +164,25 @@ class RequestOutput:
     # Prompt tokens whose KV came from the prefix cache instead of the model (vLLM's
     # ``num_cached_tokens``): what an OpenAI server reports as ``cached_tokens``.
     num_cached_tokens: int = 0
+    # One per id of ``new_token_ids`` (this round's only) when the request asked for
+    # ``logprobs``; None when it did not.
+    logprobs: list[TokenLogprobs] | None = None
+    # One per prompt token, the first None (nothing comes before it), when the request asked
+    # for ``prompt_logprobs``: handed out once, on the output that carries its first token.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    def add(self, next_output: RequestOutput) -> RequestOutput:
+        """This output and the request's next one as one (for a reader who took neither): the
+        next one's state, with the new tokens and their logprobs of both, and the prompt's
+        logprobs if either carries them. (vLLM's ``RequestOutput.add`` merges in place; this one
+        is frozen, so it returns the merge.)"""
+        logprobs = next_output.logprobs
+        return replace(
+            next_output,
+            new_token_ids=self.new_token_ids + next_output.new_token_ids,
+            logprobs=None if logprobs is None else (self.logprobs or []) + logprobs,
+            prompt_logprobs=self.prompt_logprobs or next_output.prompt_logprobs,
+        )
 
 
 def as_stop_ids(ids: object) -> tuple[int, ...]:
@@ -115,62 +206,3 @@ def with_seed(params: SamplingParams, seeds: random.Random) -> SamplingParams:
     if params.seed is not None:
         return params
     return replace(params, seed=seeds.randrange(MAX_SEED))
-
-
-# ---- the sampler ---------------------------------------------------------------------------
-
-
-def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Hugging Face's warpers, one row per request: divide by the temperature, then keep the
-    top-k, then the top-p; a token filtered out gets -inf. Rows are independent, so a row gives
-    the same numbers alone or in a batch."""
-    logits = logits.float()
-    vocab = logits.shape[-1]
-    temperature = torch.tensor([p.temperature for p in params], device=logits.device)
-    logits = logits / temperature[:, None]
-    # top-k: every token at least as likely as the k-th (ties at the k-th all stay)
-    k = torch.tensor([p.top_k or vocab for p in params], device=logits.device).clamp(max=vocab)
-    kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
-    logits = logits.masked_fill(logits < kth, -math.inf)
-    # top-p: drop the least likely tokens while what they add up to is at most 1 - top_p
-    ascending, order = logits.sort(dim=-1)
-    tail = ascending.softmax(dim=-1).cumsum(dim=-1)
-    drop = tail <= torch.tensor([1 - p.top_p for p in params], device=logits.device)[:, None]
-    drop[:, -1] = False  # the most likely token always stays
-    return logits.masked_fill(drop.scatter(1, order, drop), -math.inf)
-
-
-def draw_generator(seed: int, k: int) -> torch.Generator:
-    """The generator of a request's k-th draw: seeded by (seed, k) alone. A hash, so that
-    (seed 1, token 0) and (seed 0, token 1) do not share their numbers."""
-    digest = hashlib.blake2b(f"{seed}:{k}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") % MAX_SEED)
-
-
-def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int]
-) -> list[int]:
-    """One token per row of ``logits`` [rows, vocab]: row i belongs to a request decoded with
-    ``params[i]``, and the token is its ``steps[i]``-th (0 for the first generated token).
-
-    Greedy rows take the argmax. The others are drawn by an exponential race (vLLM's way):
-    token i wins ``argmax(p_i / E_i)`` with E_i ~ Exp(1), which happens with probability p_i
-    exactly. The E_i come from the row's own generator, on the CPU, so a GPU run draws the same.
-    """
-    tokens = logits.argmax(dim=-1)
-    drawn = [i for i, p in enumerate(params) if not p.greedy]
-    if drawn:
-        probs = filter_logits(logits[drawn], [params[i] for i in drawn]).softmax(dim=-1)
-        race = torch.stack(
-            [exponentials(params[i].seed, steps[i], probs.shape[-1]) for i in drawn]
-        ).to(probs.device)
-        tokens[drawn] = (probs / race).argmax(dim=-1).to(tokens.dtype)
-    return tokens.tolist()
-
-
-def exponentials(seed: int | None, k: int, vocab: int) -> torch.Tensor:
-    """``vocab`` draws of Exp(1) for a request's k-th token, never 0 (p / 0 would win)."""
-    if seed is None:
-        raise ValueError("a sampled request needs a seed (the engine gives one: with_seed)")
-    race = torch.empty(vocab).exponential_(generator=draw_generator(seed, k))
-    return race.clamp_min_(torch.finfo(race.dtype).tiny)

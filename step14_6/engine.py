@@ -25,7 +25,8 @@ import torch
 from common.inputs import Request, check_request, check_requests
 from common.kv_events import KVCacheEvent
 from common.observer import Observers, RoundObserver
-from common.sampling import RequestOutput, SamplingParams, sample, with_seed
+from common.sampler import SamplingState, sample
+from common.sampling import RequestOutput, SamplingParams, TokenLogprobs, with_seed
 from common.snapshot import PoolSnapshot
 from common.stats import EngineStats
 
@@ -47,6 +48,13 @@ class ScheduledChunk:
     def end(self) -> int:
         """The KV of the sequence's first ``end`` tokens is in the pool once it is computed."""
         return self.start + len(self.token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Do its logits give prompt logprobs that its request asked for and lacks? Then the
+        logits of every row of the chunk are needed, not only the last row's."""
+        wanted = self.seq.prompt_logprobs
+        return wanted is not None and wanted.wants(self.start, len(self.token_ids))
 
 
 class PagedPrefixCacheEngine:
@@ -100,17 +108,19 @@ class PagedPrefixCacheEngine:
     def step(self) -> list[RequestOutput]:
         """One round of continuous batching: one model call per scheduled sequence. Returns
         the round's outputs: one per request that produced a token or ended."""
-        scheduled, sampled = [], []
+        scheduled, sampled, logprobs = [], [], []
         for work in self._schedule():
             seq = work.seq
             logits = self.model(work.token_ids, seq.block_table, work.start)
             self.kv_cache_manager.cache_blocks(seq, work.end)  # its KV is in the pool
             self._computed(work)
+            if work.wants_prompt_logprobs:  # every row's logits predict a prompt token
+                seq.prompt_logprobs.add(logits, work.start)
             if self._samples(seq):
-                seq.append_token(self._sample(logits[-1:], [seq])[0])
+                logprobs += self._sample(logits[-1:], [seq])
                 sampled.append(seq)
             scheduled.append(seq)
-        return self._finish_round(scheduled, sampled)
+        return self._finish_round(scheduled, sampled, logprobs)
 
     def generate(
         self,
@@ -148,7 +158,7 @@ class PagedPrefixCacheEngine:
         seq = self.scheduler.remove(request_id)
         self.kv_cache_manager.free(seq)
         seq.abort()
-        self._aborted.append(self._output(seq, []))
+        self._aborted.append(self._output(seq, [], []))
         return list(seq.generated_ids)
 
     def reset_prefix_cache(self) -> bool:
@@ -338,17 +348,30 @@ class PagedPrefixCacheEngine:
         has nothing to say yet."""
         return seq.status is SequenceStatus.RUNNING
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """The next token of each sequence from its row of logits: its k-th draw depends on its
-        seed and k alone, so batching, preemption and the cache never change it."""
-        params = [seq.sampling_params for seq in seqs]
-        return sample(logits, params, [len(seq.generated_ids) for seq in seqs])
+    @staticmethod
+    def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[TokenLogprobs | None]:
+        """The next token of each sequence from its row of logits, appended; returns each
+        token's logprobs (None where not asked). The sampler reads the sequence's own params and
+        tokens alone, and its k-th draw depends on its seed and k alone, so batching, preemption
+        and the cache never change it."""
+        states = [
+            SamplingState(seq.sampling_params, seq.prompt_ids, seq.generated_ids, seq.eos_token_ids)
+            for seq in seqs
+        ]
+        out = sample(logits, states)
+        for seq, token in zip(seqs, out.token_ids):
+            seq.append_token(token)
+        return out.logprobs
 
     def _finish_round(
-        self, scheduled: list[Sequence], sampled: list[Sequence]
+        self,
+        scheduled: list[Sequence],
+        sampled: list[Sequence],
+        logprobs: list[TokenLogprobs | None],
     ) -> list[RequestOutput]:
         """Finished sequences give their blocks back and hand in their output; every sequence
-        that produced a token (and every request aborted since the last round) is reported."""
+        that produced a token (and every request aborted since the last round) is reported,
+        with its token's ``logprobs`` (one per sampled sequence)."""
         self._counters.rounds += bool(scheduled)
         self._counters.seqs_scheduled += len(scheduled)
         for seq in scheduled:
@@ -358,12 +381,25 @@ class PagedPrefixCacheEngine:
         self.scheduler.remove_finished()
         self.observer.round_ended()
         outputs, self._aborted = self._aborted, []
-        return outputs + [self._output(seq, seq.generated_ids[-1:]) for seq in sampled]
+        new = zip(sampled, logprobs, strict=True)
+        return outputs + [self._output(seq, seq.generated_ids[-1:], [lp]) for seq, lp in new]
 
     @staticmethod
-    def _output(seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
+    def _output(
+        seq: Sequence, new_token_ids: list[int], logprobs: list[TokenLogprobs | None]
+    ) -> RequestOutput:
+        """What the round did for ``seq``. Logprobs only if the request asked: the new
+        tokens' (``logprobs``), and the prompt's once, with the request's first token."""
         finished = seq.status is SequenceStatus.FINISHED
         generated = list(seq.generated_ids)
+        prompt, first_token = seq.prompt_logprobs, bool(new_token_ids) and len(generated) == 1
         return RequestOutput(
-            seq.seq_id, new_token_ids, generated, finished, seq.finish_reason, seq.num_cached_tokens
+            seq.seq_id,
+            new_token_ids,
+            generated,
+            finished,
+            seq.finish_reason,
+            seq.num_cached_tokens,
+            logprobs=None if seq.sampling_params.logprobs is None else list(logprobs),
+            prompt_logprobs=list(prompt.entries) if prompt is not None and first_token else None,
         )

@@ -61,8 +61,12 @@ class KVCacheManager:
         The block holding the sequence's last token is never taken from the cache: its logits
         give the next token, so it is recomputed into a fresh block (shared blocks are
         read-only, and copy-on-write is never needed).
+
+        A request that asks for its prompt's logprobs reads nothing from the cache: each prompt
+        position's logits are needed, so each is computed (vLLM's ``get_computed_blocks`` does
+        the same). Its blocks are still cached for the others.
         """
-        if self.prefix_cache is None:
+        if self.prefix_cache is None or seq.sampling_params.prompt_logprobs is not None:
             return []
         return self._lookup_prefix_cache(seq)
 

@@ -16,6 +16,7 @@ the public API and the figures.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -25,7 +26,8 @@ import torch
 from common.inputs import Request, check_request, check_requests
 from common.kv_events import KVCacheEvent
 from common.observer import Observers, RoundObserver
-from common.sampling import RequestOutput, SamplingParams, sample, with_seed
+from common.sampler import SamplingState, sample
+from common.sampling import RequestOutput, SamplingParams, TokenLogprobs, with_seed
 from common.snapshot import PoolSnapshot
 from common.stats import EngineStats
 
@@ -47,6 +49,13 @@ class ScheduledChunk:
     def end(self) -> int:
         """The KV of the sequence's first ``end`` tokens is in the pool once it is computed."""
         return self.start + len(self.token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Do its logits give prompt logprobs that its request asked for and lacks? Then the
+        logits of every row of the chunk are needed, not only the last row's."""
+        wanted = self.seq.prompt_logprobs
+        return wanted is not None and wanted.wants(self.start, len(self.token_ids))
 
 
 class PagedPrefixCacheEngine:
@@ -101,21 +110,16 @@ class PagedPrefixCacheEngine:
         """One round of continuous batching: every scheduled sequence in one model call.
         Returns the round's outputs: one per request that produced a token or ended."""
         work = list(self._schedule())
-        sampled = []
+        sampled, logprobs = [], []
         if work:
-            last_logits = self.model.forward_batched(
-                [w.token_ids for w in work],
-                [w.seq.block_table for w in work],
-                [w.start for w in work],
-            )
+            last_logits = self._forward(work)
             for w in work:
                 self._computed(w)
             rows = [i for i, w in enumerate(work) if self._samples(w.seq)]
             sampled = [work[i].seq for i in rows]
-            tokens = self._sample(last_logits[rows], sampled)  # the round's rows sampled together
-            for seq, token in zip(sampled, tokens):
-                seq.append_token(token)
-        return self._finish_round([w.seq for w in work], sampled)
+            # the round's rows sampled together
+            logprobs = self._sample(last_logits[rows], sampled)
+        return self._finish_round([w.seq for w in work], sampled, logprobs)
 
     def generate(
         self,
@@ -153,7 +157,7 @@ class PagedPrefixCacheEngine:
         seq = self.scheduler.remove(request_id)
         self.kv_cache_manager.free(seq)
         seq.abort()
-        self._aborted.append(self._output(seq, []))
+        self._aborted.append(self._output(seq, [], []))
         return list(seq.generated_ids)
 
     def reset_prefix_cache(self) -> bool:
@@ -349,17 +353,56 @@ class PagedPrefixCacheEngine:
         has nothing to say yet."""
         return seq.status is SequenceStatus.RUNNING
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """The next token of each sequence from its row of logits: its k-th draw depends on its
-        seed and k alone, so batching, preemption and the cache never change it."""
-        params = [seq.sampling_params for seq in seqs]
-        return sample(logits, params, [len(seq.generated_ids) for seq in seqs])
+    def _forward(self, work: list[ScheduledChunk]) -> torch.Tensor:
+        """The round's one model call; returns each chunk's last row of logits (the one a
+        sampling sequence samples from).
+
+        A chunk whose request wants its prompt's logprobs needs the logits of all its rows.
+        The model computes them for those rows alone (vLLM's ``logits_indices``: the rows of
+        the flat batch that go through the final norm and the LM head; its model runner then
+        takes a request's prompt logprobs from them), and they go to the request.
+        """
+        full = [w.wants_prompt_logprobs for w in work]
+        indices = logits_indices([len(w.token_ids) for w in work], full) if any(full) else None
+        logits = self.model.forward_batched(
+            [w.token_ids for w in work],
+            [w.seq.block_table for w in work],
+            [w.start for w in work],
+            logits_indices=indices,
+        )
+        if indices is None:
+            return logits
+        counts = [len(w.token_ids) if f else 1 for w, f in zip(work, full)]
+        ends = list(itertools.accumulate(counts))  # each chunk's rows end there, in ``logits``
+        for w, f, end in zip(work, full, ends):
+            if f:
+                w.seq.prompt_logprobs.add(logits[end - len(w.token_ids) : end], w.start)
+        return logits[[end - 1 for end in ends]]
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[TokenLogprobs | None]:
+        """The next token of each sequence from its row of logits, appended; returns each
+        token's logprobs (None where not asked). The sampler reads the sequence's own params and
+        tokens alone, and its k-th draw depends on its seed and k alone, so batching, preemption
+        and the cache never change it."""
+        states = [
+            SamplingState(seq.sampling_params, seq.prompt_ids, seq.generated_ids, seq.eos_token_ids)
+            for seq in seqs
+        ]
+        out = sample(logits, states)
+        for seq, token in zip(seqs, out.token_ids):
+            seq.append_token(token)
+        return out.logprobs
 
     def _finish_round(
-        self, scheduled: list[Sequence], sampled: list[Sequence]
+        self,
+        scheduled: list[Sequence],
+        sampled: list[Sequence],
+        logprobs: list[TokenLogprobs | None],
     ) -> list[RequestOutput]:
         """Finished sequences give their blocks back and hand in their output; every sequence
-        that produced a token (and every request aborted since the last round) is reported."""
+        that produced a token (and every request aborted since the last round) is reported,
+        with its token's ``logprobs`` (one per sampled sequence)."""
         self._counters.rounds += bool(scheduled)
         self._counters.seqs_scheduled += len(scheduled)
         for seq in scheduled:
@@ -369,12 +412,36 @@ class PagedPrefixCacheEngine:
         self.scheduler.remove_finished()
         self.observer.round_ended()
         outputs, self._aborted = self._aborted, []
-        return outputs + [self._output(seq, seq.generated_ids[-1:]) for seq in sampled]
+        new = zip(sampled, logprobs, strict=True)
+        return outputs + [self._output(seq, seq.generated_ids[-1:], [lp]) for seq, lp in new]
 
     @staticmethod
-    def _output(seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
+    def _output(
+        seq: Sequence, new_token_ids: list[int], logprobs: list[TokenLogprobs | None]
+    ) -> RequestOutput:
+        """What the round did for ``seq``. Logprobs only if the request asked: the new
+        tokens' (``logprobs``), and the prompt's once, with the request's first token."""
         finished = seq.status is SequenceStatus.FINISHED
         generated = list(seq.generated_ids)
+        prompt, first_token = seq.prompt_logprobs, bool(new_token_ids) and len(generated) == 1
         return RequestOutput(
-            seq.seq_id, new_token_ids, generated, finished, seq.finish_reason, seq.num_cached_tokens
+            seq.seq_id,
+            new_token_ids,
+            generated,
+            finished,
+            seq.finish_reason,
+            seq.num_cached_tokens,
+            logprobs=None if seq.sampling_params.logprobs is None else list(logprobs),
+            prompt_logprobs=list(prompt.entries) if prompt is not None and first_token else None,
         )
+
+
+def logits_indices(lengths: list[int], full: list[bool]) -> list[int]:
+    """The rows of the round's flat batch whose logits are computed: every row of chunk ``i``
+    if ``full[i]``, else its last one alone (``lengths``: each chunk's tokens, in order)."""
+    ends = list(itertools.accumulate(lengths))
+    return [
+        row
+        for end, n, f in zip(ends, lengths, full)
+        for row in range(end - n if f else end - 1, end)
+    ]

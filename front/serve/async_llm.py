@@ -30,7 +30,7 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from common.config import ModelConfig
@@ -85,8 +85,7 @@ class RequestStream:
     def put(self, output: RequestOutput, now: float) -> None:
         """Called on the event loop with each of the request's outputs, in order."""
         if self._pending is not None:
-            joined = self._pending.new_token_ids + output.new_token_ids
-            output = replace(output, new_token_ids=joined)
+            output = self._pending.add(output)  # tokens and logprobs joined
         self._pending = output
         if output.new_token_ids:
             times = self.times

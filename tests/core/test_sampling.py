@@ -13,17 +13,34 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import cache
 
 import pytest
 import torch
 
+from common.errors import RequestError
 from common.reference import reference_generate
-from common.sampling import SamplingParams, filter_logits, sample
+from common.sampler import (
+    PromptLogprobs,
+    SamplingState,
+    apply_min_tokens_and_penalties,
+    exponentials,
+    filter_logits,
+    sample,
+)
+from common.sampling import RequestOutput, SamplingParams, TokenLogprobs
 from front.steps import load_step
 from tests.engine.test_random_scenarios import new_engine, scenario
-from tests.helpers import EngineFactory, reference_model, tiny_config, tokens
+from tests.helpers import TINY, EngineFactory, reference_model, tiny_config, tokens
+
+
+def drawn(logits: torch.Tensor, params: list[SamplingParams], ks: list[int]) -> list[int]:
+    """The sampler's tokens for rows whose requests have drawn ``ks[i]`` tokens so far (which
+    ones does not matter: no penalty here), nothing to hold back."""
+    states = [SamplingState(p, (), [0] * k) for p, k in zip(params, ks, strict=True)]
+    return sample(logits, states).token_ids
+
 
 # ---- SamplingParams: vLLM's names, checked when made -------------------------------------------
 
@@ -34,6 +51,13 @@ BAD_PARAMS = {
     "top_k": [-2, 1.5, "3", None],
     "seed": [-1, 2**63, 1.0, "7"],
     "stop_token_ids": [[-1], [1.5], "12", 3],
+    "presence_penalty": [-2.01, 2.5, math.nan, math.inf, "1", None, True],
+    "frequency_penalty": [-3, 2.01, math.nan, "0", None],
+    "repetition_penalty": [0, 0.0, -1.2, math.inf, math.nan, None, True],
+    "min_p": [-0.1, 1.01, math.nan, None, "0.1"],
+    "min_tokens": [-1, 1.5, 17, None, True],  # 17: more than max_tokens (16)
+    "logprobs": [-1, 1.5, "2", True],
+    "prompt_logprobs": [-1, 2.0, "0", False],
 }
 
 
@@ -53,6 +77,29 @@ def test_good_values_are_kept_in_plain_types() -> None:
     assert type(params.max_tokens) is int and type(params.temperature) is float
     assert params.stop_token_ids == (7, 2)
     assert SamplingParams().greedy and not params.greedy
+    vllm = SamplingParams(
+        max_tokens=4,
+        presence_penalty=-2,
+        frequency_penalty=torch.tensor(2),
+        repetition_penalty=3,
+        min_p=1,
+        min_tokens=4,
+        logprobs=torch.tensor(0),
+        prompt_logprobs=5,
+    )
+    values = (vllm.presence_penalty, vllm.frequency_penalty, vllm.repetition_penalty, vllm.min_p)
+    assert values == (-2.0, 2.0, 3.0, 1.0) and {type(v) for v in values} == {float}
+    assert (vllm.min_tokens, vllm.logprobs, vllm.prompt_logprobs) == (4, 0, 5)
+    assert type(vllm.logprobs) is int and vllm.has_penalties
+    assert not SamplingParams().has_penalties
+    assert SamplingParams(repetition_penalty=1.01).has_penalties
+
+
+def test_min_tokens_is_checked_against_this_requests_max_tokens() -> None:
+    assert SamplingParams(max_tokens=40, min_tokens=40).min_tokens == 40
+    with pytest.raises(RequestError, match=r"min_tokens .*max_tokens is 3") as info:
+        SamplingParams(max_tokens=3, min_tokens=4)
+    assert info.value.param == "min_tokens"
 
 
 # ---- the filters equal Hugging Face's warpers --------------------------------------------------
@@ -125,7 +172,7 @@ CHI2_4_DOF_999 = 18.47
 def draws(logits: torch.Tensor, params: SamplingParams, n: int) -> torch.Tensor:
     """``n`` tokens of one request: its draws 0..n-1 (k is what varies)."""
     rows = logits.expand(n, -1)
-    return torch.tensor(sample(rows, [params] * n, list(range(n))))
+    return torch.tensor(drawn(rows, [params] * n, list(range(n))))
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -148,12 +195,12 @@ def test_a_draw_depends_on_the_seed_and_k_alone() -> None:
     logits = torch.randn(6, 50, generator=g)
     params = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2, 3, 1, 2, 3)]
     ks = [0, 0, 0, 1, 1, 1]
-    together = sample(logits, params, ks)
-    alone = [sample(logits[i : i + 1], [params[i]], [ks[i]])[0] for i in range(6)]
-    reversed_rows = sample(logits.flip(0), params[::-1], ks[::-1])[::-1]
+    together = drawn(logits, params, ks)
+    alone = [drawn(logits[i : i + 1], [params[i]], [ks[i]])[0] for i in range(6)]
+    reversed_rows = drawn(logits.flip(0), params[::-1], ks[::-1])[::-1]
     assert together == alone == reversed_rows
     flat = torch.zeros(1, 1000)  # uniform: the token is the draw itself
-    picks = {sample(flat, [SamplingParams(temperature=1.0, seed=s)], [k])[0]
+    picks = {drawn(flat, [SamplingParams(temperature=1.0, seed=s)], [k])[0]
              for s in range(5) for k in range(5)}  # fmt: skip
     assert len(picks) > 20
 
@@ -161,7 +208,220 @@ def test_a_draw_depends_on_the_seed_and_k_alone() -> None:
 def test_greedy_rows_take_the_argmax_among_sampled_ones() -> None:
     logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
     params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=1, seed=0)]
-    assert sample(logits, params, [0, 0]) == [1, 1]
+    assert drawn(logits, params, [0, 0]) == [1, 1]
+
+
+# ---- vLLM's further rules, each against a plain sampler written here -------------------------
+
+
+def plain_processed(row: torch.Tensor, state: SamplingState) -> torch.Tensor:
+    """min_tokens and the penalties, vLLM's rules written the plainest way: one token at a time,
+    in Python floats (the logits are float64, so nothing is rounded on the way)."""
+    params, output = state.params, list(state.output_ids)
+    values = row.tolist()
+    if len(output) < params.min_tokens:
+        for token in state.stop_ids:
+            values[token] = -math.inf
+    if params.repetition_penalty != 1:
+        for token in set(state.prompt_ids) | set(output):
+            rp = params.repetition_penalty
+            values[token] = values[token] / rp if values[token] > 0 else values[token] * rp
+    for token in set(output):
+        values[token] -= params.frequency_penalty * output.count(token)
+        values[token] -= params.presence_penalty
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def plain_token(row: torch.Tensor, state: SamplingState) -> int:
+    """The whole sampler on one row: the argmax of the processed logits, or the temperature,
+    min_p (kept: probability at least min_p times the top one's), Hugging Face's top-k and
+    top-p, and the race with the request's k-th exponentials."""
+    params, logits = state.params, plain_processed(row, state)
+    if params.greedy:
+        return int(logits.argmax())
+    scaled = logits.float() / params.temperature
+    probs = scaled.softmax(-1)
+    scaled = scaled.masked_fill(probs < params.min_p * probs.max(), -math.inf)
+    filtered = hf_filtered(scaled, replace(params, temperature=1.0)).softmax(-1)
+    race = exponentials(params.seed, state.num_drawn, len(filtered))
+    return int((filtered / race).argmax())
+
+
+def plain_fields(params: SamplingParams) -> dict[str, object]:
+    """What a request sets when it asks only for the filters and the draw."""
+    return {k: getattr(params, k) for k in ("temperature", "top_k", "top_p", "seed")}
+
+
+def random_state(rng: random.Random, vocab: int) -> SamplingState:
+    """A request with a mix of the rules (some of it none), its prompt and output with repeats."""
+    output = [rng.randrange(vocab) for _ in range(rng.randint(0, 12))]
+    params = SamplingParams(
+        max_tokens=20,
+        temperature=rng.choice([0.0, 0.0, 0.6, 1.3]),
+        top_k=rng.choice([0, 5]),
+        top_p=rng.choice([1.0, 0.8]),
+        seed=rng.randrange(1000),
+        presence_penalty=rng.choice([0.0, -1.5, 0.7, 2.0]),
+        frequency_penalty=rng.choice([0.0, 0.4, -0.9]),
+        repetition_penalty=rng.choice([1.0, 1.0, 0.5, 1.3, 2.0]),
+        min_p=rng.choice([0.0, 0.0, 0.05, 0.3]),
+        min_tokens=rng.choice([0, 3, 8, 20]),
+    )
+    prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+    stop = frozenset(rng.sample(range(vocab), rng.randint(0, 3)))
+    return SamplingState(params, prompt, output, stop)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_rules_follow_a_plain_sampler_row_by_row(seed: int) -> None:
+    """Penalties, min_tokens, min_p, greedy and drawn rows mixed in one batch: each row's
+    processed logits and token are the plain sampler's, alone."""
+    rng = random.Random(seed)
+    vocab, rows = 30, 48
+    states = [random_state(rng, vocab) for _ in range(rows)]
+    for i in range(0, rows, 4):  # and rows that ask for none of it, among them
+        states[i] = replace(states[i], params=SamplingParams(**plain_fields(states[i].params)))
+    logits = torch.randn(
+        rows, vocab, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)
+    )
+    logits[::5] *= 6  # decisive rows too, where a penalty must beat a wide margin
+    processed = apply_min_tokens_and_penalties(logits, states)
+    tokens = sample(logits, states).token_ids
+    for i, state in enumerate(states):
+        assert torch.equal(processed[i], plain_processed(logits[i], state)), state.params
+        assert tokens[i] == plain_token(logits[i], state), state.params
+    penalized = [s.params.has_penalties for s in states]
+    assert any(penalized) and not all(penalized)
+    assert sum(t != int(r.argmax()) for t, r in zip(tokens, logits)) > rows // 4
+
+
+def test_a_round_where_no_row_asks_costs_no_copy() -> None:
+    """The default path: no row holds back ids or has a penalty, so the logits are not
+    even copied (the rows that ask are the only ones that pay)."""
+    logits = torch.randn(3, 10)
+    plain = [SamplingState(SamplingParams(min_tokens=2), [1], [], frozenset()) for _ in range(3)]
+    assert apply_min_tokens_and_penalties(logits, plain) is logits
+    done = [SamplingState(SamplingParams(max_tokens=4, min_tokens=2), [1], [3, 3], {4})] * 3
+    assert apply_min_tokens_and_penalties(logits, done) is logits
+
+
+def test_a_penalty_applies_to_greedy_requests_too() -> None:
+    """vLLM penalizes before the argmax: the repeated favourite loses to the runner-up."""
+    logits = torch.tensor([[0.0, 3.0, 2.5, -1.0]])
+    for params in (
+        SamplingParams(presence_penalty=1.0),
+        SamplingParams(frequency_penalty=0.3),  # twice: 0.6 off
+        SamplingParams(repetition_penalty=1.5),  # 3.0 / 1.5 = 2.0
+    ):
+        state = SamplingState(params, [0], [1, 1])
+        assert sample(logits, [state]).token_ids == [2], params
+        assert sample(logits, [SamplingState(params, [1], [])]).token_ids == [
+            2 if params.repetition_penalty != 1 else 1  # the prompt counts for repetition only
+        ], params
+
+
+def test_repetition_divides_positive_logits_and_multiplies_negative_ones() -> None:
+    logits = torch.tensor([[2.0, -2.0, 0.0, 1.0]], dtype=torch.float64)
+    state = SamplingState(SamplingParams(repetition_penalty=2.0), [0, 1], [2])
+    processed = apply_min_tokens_and_penalties(logits, [state])
+    assert processed.tolist() == [[1.0, -4.0, 0.0, 1.0]]
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids_until_then() -> None:
+    """The two likeliest tokens are stop ids: the third is taken until ``min_tokens`` tokens
+    are out, then the first again; a sampled request never draws them either."""
+    logits = torch.tensor([[5.0, 4.0, 1.0, 0.0]])
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(max_tokens=9, min_tokens=3, temperature=temperature, seed=1)
+        for num_drawn, expected in ((0, {2, 3}), (2, {2, 3}), (3, {0, 1, 2, 3})):
+            state = SamplingState(params, [2], [2] * num_drawn, frozenset({0, 1}))
+            picks = {sample(logits, [replace(state, params=replace(params, seed=s))]).token_ids[0]
+                     for s in range(40)}  # fmt: skip
+            assert picks <= expected and (temperature or picks == {min(expected)})
+
+
+def test_min_p_runs_before_top_p_as_in_vllm() -> None:
+    """Probabilities .4 .3 .2 .1, min_p 0.3, top_p 0.75: min_p first drops .1, and top-p over
+    what is left keeps two tokens; Hugging Face's order (top-p first) would keep three."""
+    logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    params = SamplingParams(temperature=1.0, min_p=0.3, top_p=0.75)
+    assert filter_logits(logits[None], [params])[0].isfinite().tolist() == [
+        True,
+        True,
+        False,
+        False,
+    ]
+    hf_order = hf_filtered(logits, replace(params, min_p=0.0)).softmax(-1)
+    assert (hf_order > 0).sum() == 3
+
+
+def test_min_p_keeps_the_threshold_and_drops_below_it() -> None:
+    """Probabilities 1/2, 1/4, 1/8, 1/8 (exact): min_p 0.25 keeps 1/8 (exactly 0.25 * 1/2)."""
+    logits = torch.tensor([0.5, 0.25, 0.125, 0.125]).log()
+    keep = filter_logits(logits[None], [SamplingParams(temperature=1.0, min_p=0.25)])[0]
+    assert keep.isfinite().all()
+    drop = filter_logits(logits[None], [SamplingParams(temperature=1.0, min_p=0.26)])[0]
+    assert drop.isfinite().tolist() == [True, True, False, False]
+
+
+def plain_logprobs(row: torch.Tensor, token: int, n: int) -> TokenLogprobs:
+    """log_softmax of the model's own logits, and the n most likely, sorted the plain way."""
+    logprobs = torch.log_softmax(row.double(), dim=-1).tolist()
+    ranked = sorted(range(len(logprobs)), key=lambda t: -logprobs[t])[:n]
+    return TokenLogprobs(token, logprobs[token], tuple((t, logprobs[t]) for t in ranked))
+
+
+def test_logprobs_are_the_models_raw_ones() -> None:
+    """Penalties, temperature and filters change the draw, never the logprobs reported:
+    log_softmax of the model's own logits (vLLM's "raw_logprobs"); 0 asks for the token's
+    own only; a row that asks nothing gets None."""
+    rng = random.Random(5)
+    logits = torch.randn(6, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    asks = [3, 0, None, 1, 40, 2]
+    states = [
+        replace(random_state(rng, 40), params=replace(random_state(rng, 40).params, logprobs=n))
+        for n in asks
+    ]
+    out = sample(logits, states)
+    for i, n in enumerate(asks):
+        if n is None:
+            assert out.logprobs[i] is None
+        else:
+            assert out.logprobs[i] == plain_logprobs(logits[i], out.token_ids[i], n)
+    assert out.logprobs[1].top == () and len(out.logprobs[4].top) == 40
+
+
+def test_prompt_logprobs_gather_chunk_by_chunk_once() -> None:
+    """Chunk after chunk (a resumed request's repeated chunks add nothing): row r of a chunk
+    from ``start`` predicts the prompt token at ``start + r + 1``; the first has None."""
+    prompt = tokens(7, 11)
+    logits = torch.randn(11, TINY.vocab_size, dtype=torch.float64)
+    expected = [None] + [plain_logprobs(logits[p - 1], prompt[p], 2) for p in range(1, 11)]
+    gathered = PromptLogprobs(prompt, 2)
+    chunks = [(0, 4, True), (4, 8, True), (0, 4, False), (4, 8, False), (8, 11, True)]
+    for start, end, new in chunks:  # preempted after 8 tokens, then the same chunks again
+        assert gathered.wants(start, end - start) == new
+        gathered.add(logits[start:end], start)
+    assert gathered.entries == expected and gathered.done
+    assert not gathered.wants(8, 3)
+    skipped = PromptLogprobs(prompt, 2)
+    with pytest.raises(ValueError, match="skipped"):
+        skipped.add(logits[4:8], 4)
+    assert PromptLogprobs([5], 1).done  # one token: nothing comes before it
+
+
+def test_request_outputs_merge_for_a_slow_reader() -> None:
+    """``add``: the next output's state, both outputs' tokens and logprobs, the prompt's kept."""
+    first = TokenLogprobs(1, -0.5, ((1, -0.5),))
+    second = TokenLogprobs(2, -1.5, ((3, -0.1),))
+    a = RequestOutput(0, [1], [1], False, None, 4, [first], [None, second])
+    b = RequestOutput(0, [2], [1, 2], True, "length", 4, [second], None)
+    merged = a.add(b)
+    assert merged == RequestOutput(
+        0, [1, 2], [1, 2], True, "length", 4, [first, second], a.prompt_logprobs
+    )
+    plain = RequestOutput(0, [1], [1], False, None).add(RequestOutput(0, [2], [1, 2], True, "stop"))
+    assert (plain.new_token_ids, plain.logprobs, plain.prompt_logprobs) == ([1, 2], None, None)
 
 
 # ---- every step samples the reference's tokens -----------------------------------------------

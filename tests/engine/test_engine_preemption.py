@@ -152,9 +152,9 @@ def test_every_block_cached_in_a_round_was_written_in_it(step) -> None:
         written.update(block_table)
         return real_forward(chunk, block_table, start_pos)
 
-    def forward_batched(chunks, block_tables, start_positions, *shared):  # step14_8: shared
+    def forward_batched(chunks, block_tables, start_positions, *shared, **rows):  # 14_8: shared
         written.update(b for table in block_tables for b in table)
-        return real_batched(chunks, block_tables, start_positions, *shared)
+        return real_batched(chunks, block_tables, start_positions, *shared, **rows)
 
     model.forward = forward
     if real_batched is not None:

@@ -30,6 +30,7 @@ import pytest
 from bench.batch import Row, RunResult
 from bench.costs import Floor
 from bench.rows import table
+from common.sampling import RequestOutput, SamplingParams
 from front.steps import STEPS, available_steps, load_step
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -301,6 +302,18 @@ def test_every_engine_stats_field_is_documented() -> None:
     assert {"computed_prefill_tokens", "computed_tokens", "hit_rate"} <= set(names)
     for name in names:
         assert f"| `{name}` |" in TEXT[DOCS / "api.md"], f"EngineStats.{name} is not in api.md"
+
+
+def test_every_sampling_field_and_output_field_is_documented() -> None:
+    """docs/api.md's tables name every ``SamplingParams`` and ``RequestOutput`` field, so a
+    new request field cannot land undocumented."""
+    for cls in (SamplingParams, RequestOutput):
+        names = [f.name for f in fields(cls)]
+        assert {"min_tokens", "logprobs"} & set(names)
+        for name in names:
+            assert f"| `{name}` |" in TEXT[DOCS / "api.md"], (
+                f"{cls.__name__}.{name} is not in api.md"
+            )
 
 
 def test_every_bench_column_is_explained() -> None:

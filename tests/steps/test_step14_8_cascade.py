@@ -238,9 +238,9 @@ def record_rounds(engine) -> list[tuple[list[list[int]], list[int], int]]:
     starts and number of shared blocks."""
     log, real = [], engine.model.forward_batched
 
-    def forward_batched(chunks, tables, starts, num_shared=0):
+    def forward_batched(chunks, tables, starts, num_shared=0, **rows):
         log.append(([list(t) for t in tables], list(starts), num_shared))
-        return real(chunks, tables, starts, num_shared)
+        return real(chunks, tables, starts, num_shared, **rows)
 
     engine.model.forward_batched = forward_batched
     return log
@@ -324,9 +324,9 @@ def test_a_shared_prefix_workload_reads_the_prefix_once_per_round(
     prompts = [tokens(840, SHARED * BS) + tokens(850 + i, 1 + i) for i in range(6)]
     rounds, real = [], engine.model.forward_batched
 
-    def forward_batched(chunks, tables, starts, *shared):
+    def forward_batched(chunks, tables, starts, *shared, **rows):
         with PoolReads(engine.model) as reads:
-            logits = real(chunks, tables, starts, *shared)
+            logits = real(chunks, tables, starts, *shared, **rows)
         rounds.append((chunks, starts, reads.slots))
         return logits
 
