@@ -132,7 +132,7 @@ class Answer:
         """``output`` taken in by its choice, off the event loop; a stop string reached ends
         the choice's request in the engine."""
         prompt_logprobs = self.logprobs and self.echo
-        piece = await self.serving.run(choice.read, output, self.logprobs, prompt_logprobs)
+        piece = await self.serving.run_output(choice.read, output, self.logprobs, prompt_logprobs)
         if choice.stop_reason is not None and not output.finished:
             self.serving.llm.abort(choice.stream, finish_reason="stop")
         return piece

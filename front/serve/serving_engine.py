@@ -8,10 +8,12 @@ request leaves out, as vLLM does. Queue ``n`` requests per prompt on the ``Async
 hand back the answer (``answer.py``): whole, as a dict, or as an ``EventStream`` of chunks.
 
 Nothing slow runs on the event loop, where every client's stream is written: tokenizing, the
-chat template, the core's checks (they read every token) and detokenizing run on one worker
-thread (``run``), as vLLM runs its tokenizer on a one-thread executor (``make_async`` over
-``_tokenizer_executor``). Its Rust tokenizer lets go of the GIL (``TextCodec.encode_text``),
-so a 1 MB prompt being tokenized does not stop a stream meanwhile.
+chat template and the core's checks (they read every token) run on a thread of their own
+(``run``), as vLLM runs its tokenizer on a one-thread executor (``make_async`` over
+``_tokenizer_executor``); detokenizing runs on another (``run_output``), so that a stream's
+text never waits behind a long prompt. (vLLM detokenizes in its output handler, a task on the
+loop that yields between chunks of outputs.) The Rust tokenizer lets go of the GIL
+(``TextCodec.encode_text``), so a 1 MB prompt being tokenized stalls nobody.
 
 ``n`` choices of one prompt are ``n`` requests of their own, as vLLM's ``ParentRequest`` makes
 them: with a ``seed``, choice ``i`` gets ``seed + i`` (so the same request gives the same ``n``
@@ -28,6 +30,8 @@ the request's field, so no message text is ever parsed.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -42,6 +46,7 @@ from .async_llm import AsyncLLM
 from .protocol import OpenAIError, SamplingRequest
 
 DEFAULT_MAX_TOKENS = 16  # a completion's, when the request gives none (OpenAI's and vLLM's)
+LONG_PROMPT = 2**16  # tokens: past it, what tokenizing freed is handed back at once
 T = TypeVar("T")
 
 
@@ -89,11 +94,27 @@ class OpenAIServing:
     def __init__(self, llm: AsyncLLM, model: ServedModel) -> None:
         self.llm = llm
         self.model = model
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="text")
+        self.tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self.detokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="detokenizer")
 
     async def run(self, work: Callable[..., T], *args: Any) -> T:
-        """``work(*args)`` on the worker thread: the event loop serves everyone meanwhile."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, work, *args)
+        """``work(*args)`` on the tokenizer's thread: the event loop serves everyone meanwhile."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenizer_thread, work, *args)
+
+    async def run_output(self, work: Callable[..., T], *args: Any) -> T:
+        """``work(*args)`` on the detokenizer's thread: a stream's text is never held up
+        behind a long prompt being tokenized."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.detokenizer_thread, work, *args)
+
+    def tokenized(self, request: Any) -> list[EnginePrompt]:
+        """``engine_prompts``, on the tokenizer's thread; after a long prompt, the memory its
+        tokenizing freed is handed back to the system (``release_freed_memory``)."""
+        prompts = self.engine_prompts(request)
+        if sum(len(prompt.ids) for prompt in prompts) > LONG_PROMPT:
+            release_freed_memory()
+        return prompts
 
     # ---- what each endpoint says for itself -------------------------------------------------
 
@@ -125,7 +146,7 @@ class OpenAIServing:
         self.check_model(request)
         check_best_of(request)
         logprobs = request.logprobs_asked()  # type: ignore[attr-defined]
-        prompts = await self.run(self.engine_prompts, request)
+        prompts = await self.run(self.tokenized, request)
         answer = Answer(self, request, prompts, logprobs)
         await answer.start(await self.requests_for(request, prompts, logprobs))
         if request.stream:
@@ -208,6 +229,16 @@ def check_best_of(request: SamplingRequest) -> None:
             "server does not rank candidates",
             param="best_of",
         )
+
+
+def release_freed_memory() -> None:
+    """glibc keeps what a thread freed in that thread's arena, for its next allocations: after
+    a prompt of a million characters, a hundred MiB or more that the tokenizer no longer uses
+    (the server grew by that much per long prompt). ``malloc_trim`` hands it back to the
+    system; elsewhere than glibc, nothing is done."""
+    libc = ctypes.util.find_library("c")
+    if libc is not None and hasattr(ctypes.CDLL(libc), "malloc_trim"):
+        ctypes.CDLL(libc).malloc_trim(0)
 
 
 # ---- errors --------------------------------------------------------------------------------------
