@@ -28,6 +28,13 @@ WHY = {
     413: "the body is over --max-request-bytes",
     503: "the engine failed, or the server is stopping",
 }
+# One event of a streamed answer: its data, a chunk's JSON (the answer's shape, ``choices``
+# with ``delta`` or ``text``), and last ``[DONE]``.
+SERVER_SENT_EVENT = {
+    "type": "object",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    "required": ["data"],
+}
 REQUEST_MODELS: list[type[BaseModel]] = []  # the bodies the routes declare, for the schema
 
 
@@ -47,7 +54,7 @@ def documented(
     }
     ok: dict[str, Any] = {"description": "the answer"}
     if stream:
-        ok["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+        ok["content"] = {"text/event-stream": {"schema": SERVER_SENT_EVENT}}
     responses[200] = ok
     kwargs: dict[str, Any] = {"responses": responses}
     if model is not None:

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from common.reference import ReferenceModel
-from common.sampling import SamplingParams, exponentials
+from common.sampling import SamplingParams
 from front.text import TextOptions, generate_text
 from tests.serve.server_process import (
     API_KEY,
@@ -176,7 +176,7 @@ def reference(step_name: str, checkpoint: Path) -> ReferenceModel:
     engine, _ = offline(step_name, checkpoint)
     model = engine.model
     dense = ReferenceModel(model.cfg)
-    dense.load_state_dict(model.state_dict())
+    dense.load_state_dict(model.state_dict(), assign=True)  # its cfg builds on "meta"
     return dense
 
 
@@ -201,13 +201,17 @@ def test_completion_logprobs_are_the_references_in_openais_shape(
     assert len(logprobs.tokens) == 6
     assert "".join(logprobs.tokens) == answer.choices[0].text
     assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(6)]
+
+    def text(token_id: int) -> str:  # a token's own text, special tokens shown
+        return codec.tokenizer.decode([token_id], skip_special_tokens=False)
+
     for i, token_id in enumerate(ids):
-        assert logprobs.token_logprobs[i] == pytest.approx(expected[i, token_id].item(), abs=1e-9)
-        top = expected[i].topk(3)
-        alternatives = {codec.decode([t]): v for t, v in zip(top.indices.tolist(), top.values)}
-        assert len(logprobs.top_logprobs[i]) in (3, 4)  # the three best, and the token drawn
-        for text, value in alternatives.items():
-            assert logprobs.top_logprobs[i][text] == pytest.approx(value.item(), abs=1e-9)
+        chosen = expected[i, token_id].item()
+        assert logprobs.token_logprobs[i] == pytest.approx(chosen, abs=1e-9)
+        top = expected[i].topk(3)  # the three best, and the token drawn (byte tokens may share
+        alternatives = {text(t): v.item() for t, v in zip(top.indices.tolist(), top.values)}
+        alternatives[text(token_id)] = chosen  # a text: one entry then)
+        assert logprobs.top_logprobs[i] == pytest.approx(alternatives, abs=1e-9)
 
 
 def answer_ids(server: ServerProcess, checkpoint: Path, prompt_ids: list[int], n: int) -> list[int]:
@@ -275,6 +279,8 @@ def reference_sample(
     it, a negative one multiplied), the frequency and presence penalties on the answer's
     tokens (minus ``frequency`` per time seen, minus ``presence`` once seen); stop ids out of
     reach until ``min_tokens``; greedy, or the engine's seeded draw over what ``min_p`` keeps."""
+    from common.sampler import exponentials  # the engine's draw: the k-th token's race
+
     dense = reference(server.step_name, checkpoint)
     out: list[int] = []
     for k in range(max_tokens):
@@ -304,14 +310,16 @@ def test_penalties_give_the_reference_samplers_tokens(
 ) -> None:
     codec = offline(server.step_name, chat_checkpoint)[1]
     prompt_ids = codec.completion_ids(PROMPT)
+    drawn = {"temperature": 1.0, "seed": 3}
     penalties = {"presence": 0.5, "frequency": 0.7, "repetition": 1.8}
-    expected = reference_sample(server, chat_checkpoint, prompt_ids, 16, **penalties)
-    plain = reference_sample(server, chat_checkpoint, prompt_ids, 16)
+    expected = reference_sample(server, chat_checkpoint, prompt_ids, 16, **penalties, **drawn)
+    plain = reference_sample(server, chat_checkpoint, prompt_ids, 16, **drawn)
     answer = client(server).completions.create(
         model=SERVED_NAME,
         prompt=PROMPT,
         max_tokens=16,
-        temperature=0,
+        temperature=1.0,
+        seed=3,
         presence_penalty=0.5,
         frequency_penalty=0.7,
         extra_body={"repetition_penalty": 1.8},

@@ -6,9 +6,9 @@ ones refused, the key enforced where the schema says, ``Allow`` on a 405.
 
 A few rules no JSON Schema can state are taught to the fuzzer (``filter_body``), so that it
 does not count their refusals as the schema's lies: the prompt and the answer must fit the
-context together, token ids must be in the vocabulary, an integer is not written ``2.0`` (JSON Schema's
-"integer" takes it; the server's strict fields do not), a conversation must not end with the
-assistant's turn, ``top_logprobs`` needs ``logprobs``, ``best_of`` equals ``n``,
+context together, token ids must be in the vocabulary, an integer is not written ``2.0``
+(JSON Schema's "integer" takes it; the server's strict fields do not), a conversation must
+not end with the assistant's turn, ``top_logprobs`` needs ``logprobs``, ``best_of`` equals ``n``,
 ``min_tokens`` at most ``max_tokens``, and ``/tokenize`` takes a prompt or messages, not both.
 """
 
@@ -23,7 +23,8 @@ import pytest
 pytest.importorskip("schemathesis")
 
 import schemathesis
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from schemathesis.generation.modes import GenerationMode
 from starlette.testclient import TestClient
 
 from front.codec import TextCodec
@@ -56,10 +57,10 @@ def fits(served: ServedModel, vocab: int, path: str, body: Any) -> bool:
     if not isinstance(body, dict) or has_integral_float(body):
         return not isinstance(body, dict)
     prompt = body.get("prompt")
-    nested = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else []
-    ids = [*(body.get("stop_token_ids") or ()), *(body.get("tokens") or ())]
-    ids += [t for p in [prompt, *nested] if isinstance(p, list) for t in p]
-    if any(isinstance(t, int) and t >= vocab for t in ids):
+    nested = prompt if isinstance(prompt, list) else []
+    lists = [body.get("stop_token_ids"), body.get("tokens"), prompt, *nested]
+    ids = [t for ids in lists if isinstance(ids, list) for t in ids]
+    if any(type(t) is int and t >= vocab for t in ids):
         return False
     if body.get("top_logprobs") and not body.get("logprobs"):
         return False
@@ -68,7 +69,8 @@ def fits(served: ServedModel, vocab: int, path: str, body: Any) -> bool:
     if (body.get("min_tokens") or 0) > (body.get("max_tokens") or CONTEXT):
         return False
     if path == "/tokenize":
-        return ("prompt" in body) != ("messages" in body) and fits_prompt(served, vocab, body)
+        given = [body.get(field) is not None for field in ("prompt", "messages")]
+        return given[0] != given[1] and fits_prompt(served, vocab, body)
     return fits_prompt(served, vocab, body)
 
 
@@ -115,21 +117,24 @@ def test_the_server_answers_as_its_schema_says(app: Any) -> None:
     failures = []
     for result in schema.get_all_operations():
         operation = result.ok()
+        modes = [GenerationMode.POSITIVE, GenerationMode.NEGATIVE]
+        for mode in modes if operation.body else modes[:1]:  # nothing to get wrong otherwise
 
-        @settings(
-            max_examples=15,
-            deadline=None,
-            suppress_health_check=list(HealthCheck),
-            database=None,
-        )
-        @given(case=operation.as_strategy())
-        def check(case: Any) -> None:
-            case.call_and_validate(headers=headers)
+            @settings(
+                max_examples=15,
+                deadline=None,
+                derandomize=True,  # the same requests every run: CI is not a lottery
+                suppress_health_check=list(HealthCheck),
+                database=None,
+            )
+            @given(case=operation.as_strategy(mode))
+            def check(case: Any) -> None:
+                case.call_and_validate(headers=headers)
 
-        try:
-            check()
-        except Exception as exc:  # every operation is tried, then all failures are shown
-            failures.append(f"{operation.label}: {exc}")
+            try:
+                check()
+            except Exception as exc:  # every operation is tried, then all failures shown
+                failures.append(f"{operation.label} ({mode}): {exc}")
     assert not failures, "\n\n".join(failures)
 
 
