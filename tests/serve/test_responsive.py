@@ -147,7 +147,8 @@ def test_big_bodies_stall_no_stream_and_leave_no_memory_behind(
     one_mb = windows[0]
     assert watch.tokens_between(one_mb[2], one_mb[3]) > 0  # tokenized while the stream ran
     assert watch.tokens_between(windows[-1][2], time.perf_counter()) > 0
-    assert rss_after - rss_before < 150  # the issue saw +1.2 GB after three 10 MB bodies
+    # the issue saw +1.2 GB after three 10 MB bodies; what tokenizing freed, kept: +134 MiB
+    assert rss_after - rss_before < 100
 
 
 def test_a_body_over_the_limit_is_refused_before_it_is_read(one_server: ServerProcess) -> None:
