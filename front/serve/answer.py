@@ -108,7 +108,7 @@ class Answer:
         self.request_id = responses.new_id(serving.id_prefix)
         self.choices: list[Choice] = []
 
-    async def start(self, params: list[list[SamplingParams]]) -> None:
+    def start(self, params: list[list[SamplingParams]]) -> None:
         """Queue every choice's request (prompt by prompt, each prompt's ``n`` together)."""
         llm, model = self.serving.llm, self.serving.model
         eos = None if self.request.ignore_eos else model.codec.eos_token_ids

@@ -148,7 +148,12 @@ class OpenAIServing:
         logprobs = request.logprobs_asked()  # type: ignore[attr-defined]
         prompts = await self.run(self.tokenized, request)
         answer = Answer(self, request, prompts, logprobs)
-        await answer.start(await self.requests_for(request, prompts, logprobs))
+        params = await self.requests_for(request, prompts, logprobs)
+        try:
+            answer.start(params)
+        except BaseException:  # the engine failed half-way: what was queued goes
+            answer.abort()
+            raise
         if request.stream:
             usage = request.stream_options is not None and request.stream_options.include_usage
             return EventStream(answer.chunks(usage), answer.abort)
