@@ -292,10 +292,14 @@ ENGINE_FLAGS: dict[str, tuple[Callable[[str], object], str, str]] = {
 
 
 def add_engine_flags(
-    parser: argparse.ArgumentParser, omit: tuple[str, ...] = (), **defaults: object
+    parser: argparse.ArgumentParser,
+    omit: tuple[str, ...] = (),
+    helps: dict[str, str] | None = None,
+    **defaults: object,
 ) -> None:
     """Every ``EngineOptions`` field as a flag, defined here once for every command, with its
-    default unless ``defaults`` changes it; those in ``omit`` left out."""
+    default unless ``defaults`` changes it (and its help, ``helps``); those in ``omit`` left
+    out."""
     base = EngineOptions()
     for dest in (f.name for f in fields(EngineOptions)):
         if dest in omit:
@@ -308,6 +312,7 @@ def add_engine_flags(
             kind, metavar, text = ENGINE_FLAGS[dest]
             flag = "--" + dest.replace("_", "-")
             default = defaults.get(dest, getattr(base, dest))
+            text = (helps or {}).get(dest, text)
             parser.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
 
 

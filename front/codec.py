@@ -225,27 +225,40 @@ class TextCodec:
             return self.chat_ids(messages_for(prompt, system))
         return self.completion_ids(prompt, system)
 
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s ids. Through ``encode_batch``, which lets go of Python's GIL while the
+        Rust tokenizer works (``encode`` holds it): a server tokenizing a long prompt on a
+        worker thread keeps its event loop running meanwhile."""
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
     def completion_ids(self, text: str, system: str | None = None) -> list[int]:
         """A plain completion, ``[bos] system`` then ``text``: the system prompt encoded on its
         own (with BOS), the text without special tokens, since ``system + text`` as one string
         could merge tokens across the seam differently per request (no shared prefix then)."""
         if system is None:
-            return self.tokenizer.encode(text).ids
-        tail = self.tokenizer.encode(text, add_special_tokens=False).ids
-        return self.tokenizer.encode(system).ids + tail
+            return self.encode_text(text)
+        tail = self.encode_text(text, add_special_tokens=False)
+        return self.encode_text(system) + tail
 
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_ids(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
         """A conversation in the chat markup, ending with the assistant's header: transformers'
         ``apply_chat_template(..., add_generation_prompt=True)``, tokenized whole as it does.
-        Requests still share a common system part: its text ends at the template's markup."""
+        Requests still share a common system part: its text ends at the template's markup.
+        (A server's ``/tokenize`` may ask for it without the header, or with the tokenizer's
+        special tokens added on top of the template's.)"""
         if self.template is None:
             raise RequestError(
                 "a conversation (--messages) is written in the checkpoint's chat template, and "
                 "none is loaded: the checkpoint has none, or chat_template=False was given",
                 "messages",
             )
-        text = self.template.render(check_messages(messages))
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        text = self.template.render(check_messages(messages), add_generation_prompt)
+        return self.encode_text(text, add_special_tokens)
 
     def encode_all(
         self, prompts: list[Prompt], system: str | None, vocab_size: int
@@ -268,10 +281,10 @@ class TextCodec:
         if system is None:
             return 0
         if self.template is None:
-            return len(self.tokenizer.encode(system).ids)
+            return len(self.encode_text(system))
         message = [{"role": "system", "content": system}]
         alone = self.template.render(message, add_generation_prompt=False)
-        system_ids = self.tokenizer.encode(alone, add_special_tokens=False).ids
+        system_ids = self.encode_text(alone, add_special_tokens=False)
         return common_prefix_len([system_ids, *prompt_ids])
 
 

@@ -10,6 +10,11 @@ decoded (``chat.text_decoder``), and hands out only the text that extends what i
 out, holding it back while it ends in U+FFFD (a character still missing its last bytes). The
 pieces therefore add up to the final text, character for character.
 
+Stop strings (``StopStrings``, vLLM's ``stop``) are a rule about text, so they live here, once,
+for ``generate_text``, the chat loop and the server alike: the detokenizer ends the text at the
+first one, and holds back text that could still become one (a stream never shows what it
+would have to take back).
+
 ``StreamPrinter`` prints the answers of several requests, served together, without mixing
 them: in the order of the prompts, the first unfinished answer grows on the screen as its
 tokens come; the requests behind it are served at the same time (continuous batching), and
@@ -30,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
+from common.errors import RequestError
 from common.sampling import RequestOutput
 
 from .cli import plural
@@ -38,29 +44,107 @@ from .codec import Decode, Prompt
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) a character
 
 
+@dataclass(frozen=True)
+class StopStrings:
+    """Stop strings, applied to the text (vLLM's ``stop`` and ``include_stop_str_in_output``):
+    the answer ends where one of ``stop`` first appears, before it (or after it, with
+    ``include_stop_str_in_output``), and its ``stop_reason`` is that string.
+
+    vLLM applies them where the text is made, in its detokenizer (the engine sees only token
+    ids), and then aborts the request in the engine: so do ``generate_text`` and the server.
+    As in vLLM, a stop string is looked for only in the text of the tokens after the first
+    ``min_tokens`` (it may begin in theirs), and the token that completes it counts as
+    generated."""
+
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError(f"stop strings must be non-empty strings, got {self.stop!r}", "stop")
+
+    def find(self, text: str, searched: int) -> tuple[int, str] | None:
+        """The first stop string in ``text`` that ends past ``searched`` (what an earlier
+        look covered): (where it begins, which), or None."""
+        found = [
+            (at, s) for s in self.stop if (at := text.find(s, max(searched - len(s) + 1, 0))) != -1
+        ]
+        return min(found, key=lambda hit: hit[0]) if found else None
+
+    def partial(self, text: str) -> int:
+        """How many characters at the end of ``text`` could still become a stop string (the
+        longest end that begins one): a stream holds them back, since it could not take them
+        back. vLLM holds back the longest stop string's length less one, whatever the text."""
+        if self.include_stop_str_in_output:
+            return 0  # a stop string found is shown: nothing shown is ever taken back
+        longest = max((len(s) - 1 for s in self.stop), default=0)
+        for size in range(min(longest, len(text)), 0, -1):
+            if any(s.startswith(text[-size:]) for s in self.stop):
+                return size
+        return 0
+
+
+NO_STOP = StopStrings()
+
+
 class IncrementalDetokenizer:
     """One request's text, handed out piece by piece as its token ids grow: ``update(ids)``
     the text all the ids so far add, ``finish(ids)`` the rest, the end included (a U+FFFD
-    that no later token completes is what the final answer shows too)."""
+    that no later token completes is what the final answer shows too).
 
-    def __init__(self, decode: Decode) -> None:
+    With stop strings, the text ends at the first one (``stop_reason`` then says which, and
+    ``num_tokens`` how many tokens the answer took: those after it are not the answer's), and
+    text that could still become one is held back until it cannot."""
+
+    def __init__(self, decode: Decode, stop: StopStrings = NO_STOP) -> None:
         self._decode = decode
+        self._stop = stop
+        self.text = ""  # the answer's text so far (up to a stop string, once one is found)
         self.printed = ""  # the text handed out so far
+        self.stop_reason: str | None = None  # the stop string that ended the text
+        self.num_tokens = 0  # the answer's tokens decoded so far (up to the stop string's)
+        self._searched = 0  # how much of ``text`` was looked at for stop strings
 
     def update(self, token_ids: Sequence[int]) -> str:
-        text = self._decode(list(token_ids))
-        if text.endswith(REPLACEMENT_CHAR):
-            return ""  # a character cut between tokens: wait for its last bytes
-        return self._extend(text)
+        self._read(token_ids, final=False)
+        return self._hand_out(len(self.text) - self._stop.partial(self.text))
 
     def finish(self, token_ids: Sequence[int]) -> str:
-        return self._extend(self._decode(list(token_ids)))
+        self._read(token_ids, final=True)
+        return self._hand_out(len(self.text))
 
-    def _extend(self, text: str) -> str:
+    def _read(self, token_ids: Sequence[int], final: bool) -> None:
+        """The new tokens one at a time (as vLLM's detokenizer reads them), so that a stop
+        string is pinned on the token that completes it; at the end, the whole text."""
+        for end in range(self.num_tokens + 1, len(token_ids) + 1):
+            if self.stop_reason is not None:
+                return
+            self.num_tokens = end
+            self._decode_to(token_ids[:end], final=False)
+        if final and self.stop_reason is None:
+            self._decode_to(token_ids, final=True)
+
+    def _decode_to(self, token_ids: Sequence[int], final: bool) -> None:
+        text = self._decode(list(token_ids))
+        if not final and text.endswith(REPLACEMENT_CHAR):
+            return  # a character cut between tokens: wait for its last bytes
         if not text.startswith(self.printed):
-            return ""  # printed text cannot be taken back: wait until the text agrees again
-        piece = text[len(self.printed) :]
-        self.printed = text
+            return  # printed text cannot be taken back: wait until the text agrees again
+        self.text = text
+        if len(token_ids) <= self._stop.min_tokens:
+            self._searched = len(text)  # vLLM: no stop string ends in the first min_tokens
+            return
+        hit = self._stop.find(text, self._searched)
+        self._searched = len(text)
+        if hit is not None:
+            at, self.stop_reason = hit
+            self.text = text[: at + len(hit[1]) if self._stop.include_stop_str_in_output else at]
+
+    def _hand_out(self, end: int) -> str:
+        end = len(self.text) if self.stop_reason is not None else end
+        piece = self.text[len(self.printed) : end]
+        self.printed += piece
         return piece
 
 
@@ -115,22 +199,31 @@ class _Answer:
 class StreamPrinter:
     """``--stream``: ``printer(index, output)`` for each ``RequestOutput`` of request
     ``index`` (in the order of ``prompts``), as ``step()`` hands them out. ``out`` (None:
-    ``sys.stdout`` at each write) is flushed after every piece: a pipe sees the text at once."""
+    ``sys.stdout`` at each write) is flushed after every piece: a pipe sees the text at once.
+    ``stop``: the stop strings the requests were served with (an answer ends at one)."""
 
     def __init__(
-        self, decode: Decode, prompts: Sequence[Prompt], out: TextIO | None = None
+        self,
+        decode: Decode,
+        prompts: Sequence[Prompt],
+        out: TextIO | None = None,
+        stop: StopStrings = NO_STOP,
     ) -> None:
         self._prompts = list(prompts)
-        self._answers = [_Answer(IncrementalDetokenizer(decode)) for _ in self._prompts]
+        self._answers = [_Answer(IncrementalDetokenizer(decode, stop)) for _ in self._prompts]
         self._shown = 0  # the answer that has the screen
         self._out = out
 
     def __call__(self, index: int, output: RequestOutput) -> None:
         answer = self._answers[index]
+        if answer.tail is not None:
+            return  # ended by a stop string: what the engine says after is not the answer's
         ids = answer_ids(output)
         detokenizer = answer.detokenizer
         answer.unprinted += detokenizer.finish(ids) if output.finished else detokenizer.update(ids)
-        if output.finished:
+        if detokenizer.stop_reason is not None:
+            answer.tail = answer_tail(detokenizer.num_tokens, "stop")
+        elif output.finished:
             answer.tail = answer_tail(len(ids), output.finish_reason)
         self._show()
 

@@ -35,7 +35,7 @@ from common.sampling import RequestOutput, SamplingParams
 from .build import EngineBuilder, ModelSource
 from .cli import EngineOptions, plural
 from .codec import Prompt, TextCodec, check_prompts, common_prefix_len, prompt_label
-from .stream import answer_ids, shorten
+from .stream import IncrementalDetokenizer, StopStrings, answer_ids, shorten
 
 OnOutput = Callable[[int, RequestOutput], object]  # (the prompt's index, what a round made)
 # The fields of a config that say which network it is; the others size the KV pool or choose
@@ -54,6 +54,8 @@ class TextOptions:
     not both, since they could disagree. ``eos_token_id``: None stops at the checkpoint's eos
     ids, an id or a collection of ids replaces them, ``()`` means none.
     ``chat_template=False`` serves plain completions even when the checkpoint has a template.
+    ``stop``: stop strings (vLLM's ``stop``, a string or a list): an answer ends before the
+    first one (after it, with ``include_stop_str_in_output``), and its request is aborted there.
     """
 
     system: str | None = None
@@ -62,12 +64,18 @@ class TextOptions:
     eos_token_id: object = None
     chat_template: bool = True
     engine: EngineOptions = field(default_factory=EngineOptions)
+    stop: str | tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        """``eos_token_id`` as sorted ids (checked against the vocabulary with each request)."""
+        """``eos_token_id`` as sorted ids (checked against the vocabulary with each request);
+        ``stop`` as a tuple of strings, checked (``StopStrings``)."""
         if self.eos_token_id is not None:
             ids = tuple(sorted(as_eos_ids(self.eos_token_id, None)))
             object.__setattr__(self, "eos_token_id", ids)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        StopStrings(stop)  # a bad one is refused now, before any work
+        object.__setattr__(self, "stop", stop)
 
 
 @dataclass
@@ -84,10 +92,13 @@ class TextResult:
     eos_token_ids: list[int] = field(default_factory=list)
     system_tokens: int = 0  # the shared prefix's length in tokens (BOS, chat markup included)
     chat_template: str | None = None  # where the applied chat template came from, or None
-    # why each request ended: "stop" (an eos or stop id) or "length" (max tokens reached)
+    # why each request ended: "stop" (an eos, a stop id or a stop string) or "length" (max
+    # tokens reached)
     finish_reasons: list[str] = field(default_factory=list)
     # Why the text the prompts share came from no cache: shorter than a block (``cache_note``).
     cache_note: str | None = None
+    # the stop string that ended each answer, or None (vLLM's ``stop_reason``)
+    stop_reasons: list[str | None] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -101,10 +112,19 @@ class TextRequests:
     eos_token_ids: list[int]
     system_tokens: int
     warning: str | None  # ``long_context_warning``'s, for a caller to show
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
 
     @property
     def cfg(self) -> ModelConfig:
         return self.source.cfg
+
+    def stop_strings(self, index: int) -> StopStrings:
+        """Request ``index``'s stop strings, with its ``min_tokens`` (none are looked for in
+        the text of its first ``min_tokens`` tokens, as vLLM does)."""
+        params = self.requests[index].sampling_params
+        min_tokens = getattr(params, "min_tokens", 0)  # a SamplingParams without it: none
+        return StopStrings(self.stop, self.include_stop_str_in_output, min_tokens)
 
 
 def generate_text(
@@ -167,7 +187,17 @@ def prepare_requests(
     sampling, warning = options.sampling_params, long_context_warning(cfg)
     requests = check_requests(prompt_ids, max_new_tokens, eos, cfg, sampling, labels)
     source.checkpoint.check_shapes(cfg)  # the weight files' headers only: milliseconds
-    return TextRequests(source, codec, prompts, requests, eos, system_tokens, warning)
+    return TextRequests(
+        source,
+        codec,
+        prompts,
+        requests,
+        eos,
+        system_tokens,
+        warning,
+        options.stop,
+        options.include_stop_str_in_output,
+    )
 
 
 def given_model(source: ModelSource, model: torch.nn.Module, engine: EngineOptions) -> ModelSource:
@@ -204,23 +234,23 @@ def serve_requests(
     if on_engine is not None:
         on_engine(engine)
     start = time.perf_counter()
-    finals = run_requests(engine, requests, on_output)
+    answers = run_requests(engine, requests, on_output)
     seconds = time.perf_counter() - start
-    output_ids = [answer_ids(output) for output in finals]
     template = requests.codec.template
     return TextResult(
         requests.prompts,
-        [requests.codec.decode(ids) for ids in output_ids],
+        [answer.text for answer in answers],
         [r.prompt_ids for r in requests.requests],
-        output_ids,
+        [answer.ids for answer in answers],
         engine.stats,
         seconds,
         engine.model.cfg,
         list(requests.eos_token_ids),
         requests.system_tokens,
         template.source if template is not None else None,
-        [str(output.finish_reason) for output in finals],
+        [answer.finish_reason for answer in answers],
         cache_note(requests),
+        [answer.stop_reason for answer in answers],
     )
 
 
@@ -246,12 +276,57 @@ def short_prefix_note(shared: int, text: str, block_size: int) -> str:
     )
 
 
+@dataclass
+class TextAnswer:
+    """One request's answer as the text side reads it: its last output, and its text."""
+
+    detokenizer: IncrementalDetokenizer
+    output: RequestOutput | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.detokenizer.stop_reason is not None or bool(
+            self.output and self.output.finished
+        )
+
+    def read(self, output: RequestOutput) -> None:
+        self.output = output
+        ids = answer_ids(output)
+        _ = self.detokenizer.finish(ids) if output.finished else self.detokenizer.update(ids)
+
+    @property
+    def ids(self) -> list[int]:
+        """The answer's ids: without the eos that ended it, or up to the token that completed
+        its stop string."""
+        assert self.output is not None
+        return answer_ids(self.output)[: self.detokenizer.num_tokens]
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self.detokenizer.stop_reason
+
+    @property
+    def finish_reason(self) -> str:
+        assert self.output is not None
+        return "stop" if self.stop_reason is not None else str(self.output.finish_reason)
+
+
 def run_requests(
     engine: Any, requests: TextRequests, on_output: OnOutput | None
-) -> list[RequestOutput]:
-    """Queue every request, run rounds until none is left; each request's last output."""
+) -> list[TextAnswer]:
+    """Queue every request, run rounds until none is left; each request's answer. A request
+    whose text reaches a stop string is aborted there, as vLLM aborts it: what the engine says
+    of it after that (its "abort") is not the answer's."""
     eos = frozenset(requests.eos_token_ids) or None
-    last: dict[int, RequestOutput] = {}  # each request's latest output, by prompt index
+    decode = requests.codec.decode
+    answers = [
+        TextAnswer(IncrementalDetokenizer(decode, requests.stop_strings(i)))
+        for i in range(len(requests.requests))
+    ]
     with torch.inference_mode():
         index = {
             engine.add_request(r.prompt_ids, None, eos, sampling_params=r.sampling_params): i
@@ -259,7 +334,12 @@ def run_requests(
         }
         while engine.has_work:
             for output in engine.step():
-                last[index[output.request_id]] = output
+                answer = answers[index[output.request_id]]
+                if answer.done:
+                    continue
+                answer.read(output)
+                if answer.stop_reason is not None and not output.finished:
+                    engine.abort(output.request_id)
                 if on_output is not None:
                     on_output(index[output.request_id], output)
-    return [last[i] for i in range(len(requests.requests))]
+    return answers

@@ -9,11 +9,16 @@ API (``python -m <step>.serve --model DIR``; docs/serving.md).
   owner of its life;
 - ``engine_core.py``: ``EngineCore``, the loop that owns the engine, in a process of its own
   (vLLM's ``EngineCoreProc``) or on a thread;
-- ``protocol.py``: what a request may hold, what an answer and an error look like;
-- ``serving_engine.py``: what the generating endpoints share; ``serving_completion.py`` and
-  ``serving_chat.py``: ``/v1/completions`` and ``/v1/chat/completions``, prompt to answer;
-- ``api_server.py``: the FastAPI app, its routes, the HTTP (JSON, server-sent events, a client
-  that leaves) and its errors;
+- ``protocol.py``: what a request may hold and what an error looks like; ``responses.py``: what
+  the answers look like (and their models, for the published schema);
+- ``serving_engine.py``: what the endpoints share (the tokenizer's and the detokenizer's
+  threads, each choice's ``SamplingParams``); ``serving_completion.py``, ``serving_chat.py``
+  and ``serving_tokenization.py``: ``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``
+  and ``/detokenize``, prompt to answer; ``answer.py``: one request's choices as they grow
+  (their text, stop strings applied, log-probabilities, the usage);
+- ``api_server.py``: the FastAPI app, its routes, the HTTP (bodies read and checked, JSON,
+  server-sent events, a client that leaves) and its errors; ``limits.py``: a body over
+  ``--max-request-bytes`` refused before it is read; ``openapi.py``: the published schema;
 - ``metrics.py``: ``/metrics``, vLLM's metric names.
 
 Only ``options.py`` and ``cli.py`` import without the ``serve`` extra (fastapi, uvicorn,

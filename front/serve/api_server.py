@@ -2,21 +2,27 @@
 
 ``build_app`` wires the endpoints, vLLM's set:
 
-- ``GET /health`` (200 while the engine runs), ``GET /metrics`` (``metrics.py``),
-  ``POST /reset_prefix_cache``;
-- under ``/v1``, guarded by the API key when one is set: ``GET /v1/models``,
-  ``POST /v1/completions`` (``serving_completion.py``), ``POST /v1/chat/completions``
-  (``serving_chat.py``).
+- ``GET /health`` (200, empty, while the engine runs) and ``GET /metrics`` (``metrics.py``):
+  open to anyone, as in vLLM, so that a load balancer and Prometheus need no key; they tell
+  how the server is, and change nothing;
+- with ``--api-key``, every other route needs it: ``GET /v1/models``, ``POST /v1/completions``
+  (``serving_completion.py``), ``POST /v1/chat/completions`` (``serving_chat.py``),
+  ``POST /tokenize`` and ``/detokenize`` (``serving_tokenization.py``), and
+  ``POST /reset_prefix_cache``, which changes what every later request costs.
 
-The HTTP is here and only here: a handler returns an answer (a dict) or an ``EventStream``,
-and ``respond`` writes it, as JSON or as server-sent events ending with ``data: [DONE]``,
-watching meanwhile for a client that leaves (its request is then aborted). The engine's life
-is not the app's: ``launch.py`` starts it before the app serves and stops it after.
+The HTTP is here and only here: a body is read (any ``Content-Type``: ``curl -d`` sends a form
+type) and checked against its request model, a handler returns an answer (a dict) or an
+``EventStream``, and ``respond`` writes it, as JSON or as server-sent events ending with
+``data: [DONE]``, watching meanwhile for a client that leaves (its request is then aborted).
+``RequestSizeLimit`` (``limits.py``) refuses a body over ``--max-request-bytes`` with 413
+before any of that. The engine's life is not the app's: ``launch.py`` starts it before the app
+serves and stops it after.
 
-Every error is OpenAI's JSON shape with its status: a bad field 400 (FastAPI's own 422 for a
-body that does not parse becomes 400, as OpenAI and vLLM answer), a missing or wrong key 401,
-an unknown model or path 404. A bug is a 500 with no traceback in the answer (it goes to the
+Every error is OpenAI's JSON shape with its status: a bad field 400, a missing or wrong key
+401, an unknown model or path 404, a method the path does not take 405 (with ``Allow``), a
+body over the limit 413. A bug is a 500 with no traceback in the answer (it goes to the
 server's log): no request, however bad, gets one, and the next request is served as usual.
+``openapi.py`` publishes what each route really answers.
 """
 
 from __future__ import annotations
@@ -30,73 +36,87 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from . import protocol
 from .async_llm import AsyncLLM, EngineDeadError
+from .limits import RequestSizeLimit
 from .metrics import Metrics
-from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from .openapi import documented, publish_schema
+from .options import MAX_REQUEST_BYTES
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    OpenAIError,
+    TokenizeRequest,
+)
+from .responses import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    ModelList,
+    TokenizeResponse,
+)
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
 from .serving_engine import EventStream, OpenAIServing, ServedModel
+from .serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("serve")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 
 
 def build_app(
-    llm: AsyncLLM, served: ServedModel, metrics: Metrics, api_key: str | None = None
+    llm: AsyncLLM,
+    served: ServedModel,
+    metrics: Metrics,
+    api_key: str | None = None,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """The app over a running ``llm`` (``build_async_engine_client`` started it)."""
-    app = FastAPI(title="Paged Prefix Cache: an OpenAI-compatible server")
+    app = FastAPI(title="Paged Prefix Cache: an OpenAI-compatible server", version="1")
     add_error_handlers(app)
-    app.include_router(v1_router(llm, served, api_key))
+    app.include_router(open_router(llm, metrics))
+    app.include_router(guarded_router(llm, served, api_key))
+    app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes)
+    publish_schema(app)
+    return app
 
-    @app.get("/health")
+
+def open_router(llm: AsyncLLM, metrics: Metrics) -> APIRouter:
+    """``/health`` and ``/metrics``: no key, as in vLLM."""
+    router = APIRouter()
+
+    @router.get("/health", **documented(None, 503, empty=True))
     async def health() -> Response:
         if llm.dead is not None:
             return error_response(OpenAIError(503, f"the engine failed: {llm.dead}"))
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @router.get("/metrics", **documented(None, prometheus=True))
     async def get_metrics() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> Response:
-        if not await llm.call("reset_prefix_cache"):
-            raise OpenAIError(
-                409,
-                "requests are running: the prefix cache is reset only when none is (their "
-                "blocks are in it); try again once they finished",
-                code="requests_running",
-            )
-        return Response(status_code=200)
-
-    return app
+    return router
 
 
-def v1_router(llm: AsyncLLM, served: ServedModel, api_key: str | None) -> APIRouter:
-    """``/v1/*``: the OpenAI API, behind the key."""
+def guarded_router(llm: AsyncLLM, served: ServedModel, api_key: str | None) -> APIRouter:
+    """Every route that generates, tokenizes or changes the server's state: behind the key."""
     completion, chat = OpenAIServingCompletion(llm, served), OpenAIServingChat(llm, served)
+    tokenization = OpenAIServingTokenization(llm, served)
     created = int(time.time())  # /v1/models' "created"
+    guard = [Depends(key_check(api_key))] if api_key is not None else []
+    router = APIRouter(dependencies=guard)
+    keyed = (401,) if api_key is not None else ()
 
-    def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise OpenAIError(
-                401, "a valid API key is needed: Authorization: Bearer KEY", code="invalid_api_key"
-            )
-
-    router = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
-
-    @router.get("/models")
+    @router.get("/v1/models", **documented(ModelList, *keyed))
     async def models() -> dict[str, Any]:
         card = {
             "id": served.name,
@@ -107,15 +127,76 @@ def v1_router(llm: AsyncLLM, served: ServedModel, api_key: str | None) -> APIRou
         }
         return {"object": "list", "data": [card]}
 
-    @router.post("/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await respond(request, completion, body)
+    @router.post(
+        "/v1/completions",
+        **documented(CompletionResponse, 400, *keyed, 404, 413, 503,
+                     body=CompletionRequest, stream=True),
+    )  # fmt: skip
+    async def completions(request: Request) -> Response:
+        return await respond(request, completion, await parse(request, CompletionRequest))
 
-    @router.post("/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await respond(request, chat, body)
+    @router.post(
+        "/v1/chat/completions",
+        **documented(ChatCompletionResponse, 400, *keyed, 404, 413, 503,
+                     body=ChatCompletionRequest, stream=True),
+    )  # fmt: skip
+    async def chat_completions(request: Request) -> Response:
+        return await respond(request, chat, await parse(request, ChatCompletionRequest))
+
+    @router.post(
+        "/tokenize",
+        **documented(TokenizeResponse, 400, *keyed, 404, 413,
+                     body=TokenizeRequest),
+    )  # fmt: skip
+    async def tokenize(request: Request) -> Any:
+        body = await parse(request, TokenizeRequest)
+        return JSONResponse(await tokenization.create_tokenize(body))
+
+    @router.post(
+        "/detokenize",
+        **documented(DetokenizeResponse, 400, *keyed, 404, 413,
+                     body=DetokenizeRequest),
+    )  # fmt: skip
+    async def detokenize(request: Request) -> Any:
+        body = await parse(request, DetokenizeRequest)
+        return JSONResponse(await tokenization.create_detokenize(body))
+
+    @router.post("/reset_prefix_cache", **documented(None, *keyed, 409, 413, empty=True))
+    async def reset_prefix_cache() -> Response:
+        if not await llm.call("reset_prefix_cache"):
+            raise OpenAIError(
+                409,
+                "requests are running: the prefix cache is reset only when none is (their "
+                "blocks are in it); try again once they finished",
+                code="requests_running",
+            )
+        return Response(status_code=200)
 
     return router
+
+
+def key_check(api_key: str) -> Any:
+    """The dependency that wants ``Authorization: Bearer KEY`` (declared as a bearer scheme
+    in the schema); the comparison takes the same time whatever the key's first wrong byte."""
+    bearer = Depends(HTTPBearer(auto_error=False, description="the server's --api-key"))
+
+    def check_key(credentials: HTTPAuthorizationCredentials | None = bearer) -> None:
+        given = credentials.credentials if credentials is not None else ""
+        if not secrets.compare_digest(given.encode(), api_key.encode()):
+            raise OpenAIError(
+                401, "a valid API key is needed: Authorization: Bearer KEY", code="invalid_api_key"
+            )
+
+    return check_key
+
+
+async def parse(request: Request, model: type[M]) -> M:
+    """The body as ``model``, whatever its ``Content-Type`` says (``curl -d`` says a form);
+    a body that is not JSON, or not the model's, is a 400 that names the field."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise protocol.validation_error(list(exc.errors())) from None
 
 
 async def respond(request: Request, serving: OpenAIServing, body: Any) -> Response:
@@ -165,11 +246,9 @@ def add_error_handlers(app: FastAPI) -> None:
     async def openai_error(request: Request, exc: OpenAIError) -> Response:
         return error_response(exc)
 
-    async def bad_body(request: Request, exc: RequestValidationError) -> Response:
-        return error_response(protocol.validation_error(list(exc.errors())))
-
     async def http_error(request: Request, exc: HTTPException) -> Response:
-        return error_response(OpenAIError(exc.status_code, str(exc.detail)))
+        # a 405's ``Allow`` header names the methods the path takes: kept
+        return error_response(OpenAIError(exc.status_code, str(exc.detail)), exc.headers)
 
     async def engine_dead(request: Request, exc: EngineDeadError) -> Response:
         return error_response(OpenAIError(500, str(exc)))
@@ -179,11 +258,10 @@ def add_error_handlers(app: FastAPI) -> None:
         return error_response(OpenAIError(500, f"internal server error ({type(exc).__name__})"))
 
     app.add_exception_handler(OpenAIError, openai_error)
-    app.add_exception_handler(RequestValidationError, bad_body)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(EngineDeadError, engine_dead)
     app.add_exception_handler(Exception, bug)
 
 
-def error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+def error_response(error: OpenAIError, headers: Any = None) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.config import ModelConfig
-from common.inputs import check_request
+from common.inputs import Request, check_request
 from common.sampling import RequestOutput, SamplingParams
 
 from .engine_core import (
@@ -77,6 +77,7 @@ class RequestStream:
     def __init__(self, key: int, arrival: float) -> None:
         self.key = key  # the request's name between this side and the engine core
         self.times = RequestStateStats(arrival)
+        self.ended_by: str | None = None  # why it was aborted, when it was (``abort``)
         self._pending: RequestOutput | None = None
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
@@ -168,17 +169,35 @@ class AsyncLLM:
         """Check the request (``RequestError`` naming the field, the engine untouched), send
         it, and return its stream."""
         self._check_alive()
-        request = check_request(prompt_ids, None, eos_token_ids, self.cfg, sampling_params)
+        request = self.check(prompt_ids, sampling_params, eos_token_ids)
+        return self.add_checked(request.prompt_ids, sampling_params, eos_token_ids)
+
+    def check(
+        self, prompt_ids: list[int], sampling_params: SamplingParams, eos_token_ids: Any = None
+    ) -> Request:
+        """The core's own checks of a request (``RequestError`` naming the field). They read
+        every prompt token, so a server runs them on its worker thread: they touch nothing."""
+        return check_request(prompt_ids, None, eos_token_ids, self.cfg, sampling_params)
+
+    def add_checked(
+        self, prompt_ids: list[int], sampling_params: SamplingParams, eos_token_ids: Any = None
+    ) -> RequestStream:
+        """Send a request that ``check`` passed, and return its stream."""
+        self._check_alive()
         eos = None if eos_token_ids is None else tuple(eos_token_ids)
         stream = RequestStream(next(self._ids), time.perf_counter())
         self._streams[stream.key] = stream
-        self.core.send(AddRequest(stream.key, request.prompt_ids, sampling_params, eos))
+        self.core.send(AddRequest(stream.key, prompt_ids, sampling_params, eos))
         return stream
 
-    def abort(self, stream: RequestStream) -> None:
+    def abort(self, stream: RequestStream, finish_reason: str = "abort") -> None:
         """Cancel the request at the next pause between rounds; returns at once. Its stream
-        ends with a ``finish_reason="abort"`` output. A finished request is left alone."""
+        ends with a ``finish_reason="abort"`` output. A finished request is left alone.
+        ``finish_reason="stop"``: it was ended by a stop string, which ``/metrics`` counts as
+        such (vLLM ends such a request the same way: its detokenizer finds the string, and
+        the request is aborted in the engine)."""
         if stream.key in self._streams and self.dead is None:
+            stream.ended_by = finish_reason
             self.core.send(Abort(stream.key))
 
     def abort_all(self) -> None:

@@ -43,9 +43,9 @@ from .metrics import Metrics
 from .options import ServeOptions
 from .serving_engine import ServedModel
 
-# generation_config.json's fields that vLLM takes as a request's defaults (the ones this
-# engine has); HF's own default temperature, 1.0, when the file has none.
-SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k")
+# generation_config.json's fields that vLLM takes as a request's defaults (those this engine
+# has); HF's own default temperature, 1.0, when the file has none.
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 STOP_GRACE_S = 5  # the longest a stop waits for the answers in flight to end
 
 
@@ -73,7 +73,7 @@ async def run_server_worker(
     start = time.perf_counter()
     async with build_async_engine_client(cfg, builder, in_thread, metrics.record) as llm:
         print(f"{prog}: {served.name!r} loaded in {time.perf_counter() - start:.1f} s", flush=True)
-        app = build_app(llm, served, metrics, options.api_key)
+        app = build_app(llm, served, metrics, options.api_key, options.max_request_bytes)
         config = uvicorn.Config(
             app, log_level="warning", access_log=False, timeout_graceful_shutdown=STOP_GRACE_S
         )

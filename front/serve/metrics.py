@@ -82,7 +82,7 @@ class Metrics:
         self.generation_tokens = make(Counter, "vllm:generation_tokens", "Tokens generated.")
         self.finished = Counter(
             "vllm:request_success",
-            "Requests finished, by why: stop (eos or a stop id), length (max_tokens), abort.",
+            "Requests finished, by why: stop (eos, a stop id or string), length, abort.",
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
@@ -112,8 +112,9 @@ class Metrics:
             elif output.new_token_ids and times.previous_token is not None:
                 self.tpot.observe((now - times.previous_token) / len(output.new_token_ids))
             if output.finished:
-                self.finished.labels(self.model_name, output.finish_reason).inc()
-                if output.finish_reason != "abort":
+                reason = stream.ended_by or output.finish_reason  # a stop string: "stop"
+                self.finished.labels(self.model_name, reason).inc()
+                if reason != "abort":
                     self.e2e.observe(now - times.arrival)
 
     def render(self) -> bytes:

@@ -9,7 +9,25 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from ..cli import EngineOptions, HelpFormatter, add_engine_flags, add_model_flag, int_range
+from ..cli import (
+    EngineOptions,
+    HelpFormatter,
+    add_engine_flags,
+    add_model_flag,
+    int_range,
+    positive_int,
+)
+
+# A server's requests come and go while others run, so it runs more at once than a batch
+# command (8): vLLM's default is 256 sequences on a pool of tens of thousands of blocks; this
+# pool's default of 512 blocks of 16 tokens holds 64 requests of 128 tokens at once.
+SERVE_MAX_RUNNING = 64
+MAX_RUNNING_HELP = (
+    "requests the engine runs at once at most (more wait in its queue). A server's default: "
+    "each running request gets --total-blocks / N blocks before the pool runs dry; raise it "
+    "with --total-blocks, lower it when vllm:num_preemptions_total climbs (docs/serving.md)"
+)
+MAX_REQUEST_BYTES = 4 * 2**20  # a body over it is refused with 413 (--max-request-bytes)
 
 DESCRIPTION = """\
 An OpenAI-compatible server (vLLM's endpoints and metric names) over this step's engine. The
@@ -34,6 +52,7 @@ class ServeOptions:
     served_model_name: str | None
     engine: EngineOptions
     engine_in_thread: bool = False  # vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0
+    max_request_bytes: int = MAX_REQUEST_BYTES
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -50,13 +69,24 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         default=8000,
         help="the port (0: any free one, printed at start)",
     )
-    p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics",
+    )
     p.add_argument(
         "--served-model-name",
         metavar="NAME",
         help="the model's name in the API (None: the --model argument)",
     )
-    add_engine_flags(p)
+    p.add_argument(
+        "--max-request-bytes",
+        type=positive_int,
+        default=MAX_REQUEST_BYTES,
+        metavar="N",
+        help="a request body over N bytes is refused (413) before it is read as JSON",
+    )
+    add_engine_flags(p, helps={"max_running": MAX_RUNNING_HELP}, max_running=SERVE_MAX_RUNNING)
     p.add_argument(
         "--engine-in-thread",
         action="store_true",
@@ -77,4 +107,5 @@ def parse_args(prog: str, argv: list[str] | None) -> ServeOptions:
         args.served_model_name,
         EngineOptions.from_args(args),
         args.engine_in_thread,
+        args.max_request_bytes,
     )

@@ -1,22 +1,26 @@
-"""The OpenAI API's shapes: what a request may hold, what an answer and an error look like
-(vLLM's ``vllm/entrypoints/openai/protocol.py``, the part this server speaks).
+"""What a request may hold, and what an error looks like (vLLM's
+``vllm/entrypoints/openai/protocol.py``, the part this server speaks; the answers' shapes are in
+``responses.py``).
 
 Requests are pydantic models in strict mode, so ``"max_tokens": true`` or ``"temperature":
-"hot"`` is refused rather than read as 1 or as an error deeper down. Fields the API has and
-this server does not implement (``n``, ``logprobs``, ``tools``, stop strings...) are refused
-when they ask for something (``unsupported_field``), instead of being silently ignored;
-fields nobody knows are ignored, as vLLM and OpenAI do.
-
-Answers are plain dicts: a few keys each, written where they are built.
+"hot"`` is refused rather than read as 1 or as an error deeper down, and every bound a field has
+is declared on it: the published schema (``/openapi.json``) says what the server takes. A field
+of the OpenAI API that this server does not do is declared too, with only the values that ask
+for nothing (``tools: []``, ``tool_choice: "auto"`` without tools, ``suffix: ""``...); any other
+value is refused with a 400 that names it (``REFUSED``). Fields nobody knows are ignored, as
+vLLM and OpenAI do.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
+
+from common.sampling import MAX_SEED
+
+MAX_N = 128  # the most choices one request may ask for (OpenAI's limit)
+MAX_LOGPROBS = 20  # the most alternatives per token (vLLM's default --max-logprobs)
 
 
 class OpenAIError(Exception):
@@ -40,129 +44,237 @@ class OpenAIError(Exception):
         return {"error": error}
 
 
+# ---- the pieces of a request ---------------------------------------------------------------
+
+TokenId = Annotated[int, Field(ge=0)]
+StopString = Annotated[str, Field(min_length=1)]
+TEXT_PART = {
+    "type": "object",
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "required": ["type", "text"],
+}
+MESSAGE = {
+    "type": "object",
+    "properties": {
+        "role": {"type": "string", "minLength": 1},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}]},
+    },
+    "required": ["role", "content"],
+}
+# A conversation, checked by the chat template's side (``codec.check_messages``), whose
+# messages name the message that is wrong; the schema says the same.
+Messages = Annotated[list[Any], WithJsonSchema({"type": "array", "items": MESSAGE, "minItems": 1})]
+PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        {
+            "type": "array",
+            "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+            "minItems": 1,
+        },
+    ]
+}
+Prompts = list[str] | list[list[int]]  # a completion's prompts, one or more
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
     include_usage: bool = False  # a last chunk with the usage, as OpenAI sends it
 
 
-class SamplingRequest(BaseModel):
-    """The fields both endpoints share: the model, the sampling, streaming."""
+class TextFormat(BaseModel):
+    type: Literal["text"]  # the only ``response_format`` that asks for nothing
 
-    model_config = ConfigDict(strict=True, extra="allow")  # extra fields: unsupported_field
+
+# Fields of the OpenAI API (and vLLM's) that this server does not do: declared with only the
+# values that ask for nothing, so that any other is refused by name.
+REFUSED = (
+    "suffix", "tools", "tool_choice", "functions", "function_call", "response_format",
+    "logit_bias", "modalities", "audio", "prediction", "echo", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar", "structured_outputs", "use_beam_search", "prompt_logprobs",
+    "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "skip_special_tokens",
+    "add_special_tokens", "max_completion_tokens",
+)  # fmt: skip
+
+
+# pydantic's errors for a refused field's value of the right type (a non-empty list, ...).
+ASKING_SOMETHING = ("literal_error", "none_required", "too_long")
+
+
+class SamplingRequest(BaseModel):
+    """The fields both generating endpoints share: the model, the sampling, the stop
+    conditions, the number of choices, streaming."""
+
+    model_config = ConfigDict(strict=True, extra="allow")  # unknown fields: ignored
     model: str | None = None  # None: the one model this server serves
-    max_tokens: int | None = None
-    temperature: float | None = None  # None: the checkpoint's generation_config, else 1.0
-    top_p: float | None = None
-    top_k: int | None = None  # vLLM's extension; 0 or -1: all tokens
-    seed: int | None = None
-    stop_token_ids: list[int] | None = None  # vLLM's extension
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)  # None: generation_config's, else 1.0
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # vLLM's extension; 0 or -1: all tokens
+    min_p: float | None = Field(None, ge=0, le=1)  # vLLM's extension
+    seed: int | None = Field(None, ge=0, lt=MAX_SEED)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extension
+    min_tokens: int | None = Field(None, ge=0)  # vLLM's extension
+    stop: StopString | list[StopString] | None = None
+    include_stop_str_in_output: bool = False  # vLLM's extension
+    stop_token_ids: list[TokenId] | None = None  # vLLM's extension
     ignore_eos: bool = False  # vLLM's extension: run to max_tokens (benchmarks use it)
+    n: int = Field(1, ge=1, le=MAX_N)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)  # only as n: this server ranks nothing
     stream: bool = False
     stream_options: StreamOptions | None = None
+    echo: bool = False  # the prompt before the answer (with logprobs: the prompt's too)
+    # asked for nothing only (``REFUSED``)
+    tools: list[Any] | None = Field(None, max_length=0)
+    tool_choice: Literal["none", "auto"] | None = None
+    functions: list[Any] | None = Field(None, max_length=0)
+    function_call: Literal["none", "auto"] | None = None
+    response_format: TextFormat | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=0)
+    modalities: list[Literal["text"]] | None = None
+    audio: None = None
+    prediction: None = None
+    guided_json: None = None
+    guided_regex: None = None
+    guided_choice: None = None
+    guided_grammar: None = None
+    structured_outputs: None = None
+    use_beam_search: Literal[False] = False
+    prompt_logprobs: None = None  # completions: echo with logprobs gives them
+    allowed_token_ids: None = None
+    bad_words: list[Any] | None = Field(None, max_length=0)
+    truncate_prompt_tokens: None = None
+    skip_special_tokens: Literal[True] = True
 
     def max_tokens_asked(self) -> int | None:
         return self.max_tokens
 
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
 
 class CompletionRequest(SamplingRequest):
-    prompt: Any  # a string, or token ids (checked by the server, with a clearer message)
+    """``POST /v1/completions``: a prompt (or several) continued."""
+
+    prompt: Annotated[Any, WithJsonSchema(PROMPT_SCHEMA)]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
+    suffix: Literal[""] | None = None
+    add_special_tokens: Literal[True] = True  # vLLM's: a string prompt gets its BOS
+    # chat's name for max_tokens, which vLLM's completions do not take (they ignore it)
+    max_completion_tokens: None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompts(cls, prompt: Any) -> Prompts:
+        return as_prompts(prompt)
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[Any]
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    """``POST /v1/chat/completions``: a conversation answered."""
+
+    messages: Messages
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # with logprobs: true
+    echo: Literal[False] = False  # vLLM's: the last message echoed; not done here
+    add_special_tokens: Literal[False] = False  # the template writes them
 
     def max_tokens_asked(self) -> int | None:
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
 
-
-# Fields of the OpenAI API that this server does not implement, and the values that ask for
-# nothing (a client may send them anyway).
-UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
-    "best_of": (None, 1),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
-    "suffix": (None, ""),
-    "stop": (None, [], ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-}
+    def logprobs_asked(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def unsupported_field(request: SamplingRequest) -> OpenAIError | None:
-    """A 400 for the first field that asks for what this server does not do, or None."""
-    for name, value in (request.model_extra or {}).items():
-        if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
-            return OpenAIError(
-                400,
-                f"{name}={value!r} is not supported by this server (docs/serving.md: what it "
-                "leaves out)",
-                param=name,
-            )
-    return None
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): a prompt, or a conversation in the chat template."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    model: str | None = None
+    prompt: Annotated[str, Field(min_length=1)] | None = None
+    messages: Messages | None = None
+    add_special_tokens: bool | None = None  # None: a prompt's yes, a conversation's no
+    add_generation_prompt: bool = True  # a conversation ends with the assistant's header
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+def as_prompts(prompt: Any) -> Prompts:
+    """A completion's ``prompt`` as a list of prompts: a string, a list of strings, token ids
+    or a list of token-id lists (OpenAI's four forms); anything else, or an empty one, is
+    refused, saying which form was meant."""
+    forms = "a string, a list of strings, token ids or a list of token-id lists"
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        got = "an empty list" if prompt == [] else type(prompt).__name__
+        raise ValueError(f"prompt must be {forms}, got {got}")
+    if all(type(t) is int for t in prompt):
+        prompt = [prompt]
+    if all(isinstance(p, str) for p in prompt):
+        if "" in prompt:
+            raise ValueError(f"prompt {prompt.index('') + 1} is empty: give it some text")
+        return prompt
+    for i, ids in enumerate(prompt, 1):
+        if not (isinstance(ids, list) and ids and all(type(t) is int and t >= 0 for t in ids)):
+            raise ValueError(f"prompt {i} is not a non-empty list of token ids (ints >= 0)")
+    return prompt
 
 
 def validation_error(errors: list[dict[str, Any]]) -> OpenAIError:
-    """pydantic's (or FastAPI's) list of errors as one 400 that names the field."""
+    """pydantic's (or FastAPI's) list of errors as one 400 that names the field; a field this
+    server does not do says so."""
     first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    same_field = [e for e in errors if e.get("loc", ())[:1] == first.get("loc", ())[:1]]
+    first = max(same_field, key=lambda e: len(e.get("loc", ())))  # a union's deepest: its item
+    loc = [str(part) for part in first.get("loc", ()) if is_name(part)]
+    message = str(first.get("msg", "")).removeprefix("Value error, ")
     if first.get("type") == "json_invalid":
-        return OpenAIError(400, f"the body is not valid JSON: {first.get('msg')}")
+        return OpenAIError(400, f"the body is not valid JSON: {message}")
     if not loc:
-        return OpenAIError(400, f"the body must be a JSON object: {first.get('msg')}")
-    return OpenAIError(400, f"{'.'.join(loc)}: {first.get('msg')}", param=loc[0])
+        return OpenAIError(400, f"the body must be a JSON object: {message}")
+    if loc[0] in REFUSED and first.get("type") in ASKING_SOMETHING:
+        value = first.get("input")
+        return OpenAIError(
+            400,
+            f"{loc[0]}={value!r} is not supported by this server (docs/serving.md: the fields)",
+            param=loc[0],
+        )
+    return OpenAIError(400, f"{'.'.join(loc)}: {message}", param=loc[0])
 
 
-# ---- answers -------------------------------------------------------------------------------
+TYPE_TAGS = (
+    "str",
+    "int",
+    "float",
+    "bool",
+    "list",
+    "dict",
+    "none",
+)  # how pydantic names a union's arm
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    """OpenAI's ``usage``; ``cached_tokens``: the prompt tokens the prefix cache served."""
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-def completion(
-    kind: str, request_id: str, model: str, choice: dict[str, Any], usage: dict | None = None
-) -> dict[str, Any]:
-    """An answer or a streamed chunk of either endpoint: ``kind`` is its ``object``
-    (``text_completion``, ``chat.completion``, ``chat.completion.chunk``)."""
-    answer: dict[str, Any] = {
-        "id": request_id,
-        "object": kind,
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice] if choice else [],
-    }
-    if usage is not None:
-        answer["usage"] = usage
-    return answer
-
-
-def text_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-
-
-def message_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-    message = {"role": "assistant", "content": text}
-    return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
-
-
-def delta_choice(delta: dict[str, str], finish_reason: str | None) -> dict[str, Any]:
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+def is_name(part: object) -> bool:
+    """A part of an error's location that names a field or an index (not a union's arm)."""
+    if isinstance(part, int):
+        return True
+    text = str(part)
+    return text != "body" and text not in TYPE_TAGS and not any(c in text for c in "[-")

@@ -2,8 +2,9 @@
 
 The messages are written in the checkpoint's chat template, ending with the assistant's
 header: the ids ``generate_text`` gives the same messages. An answer may fill what the context
-has left unless the request says otherwise (vLLM's default); a stream's first chunk names the
-role, as OpenAI's does.
+has left unless the request says otherwise (vLLM's default); a stream's first chunk of each
+choice names the role, as OpenAI's does. ``logprobs: true`` reports each token's
+log-probability, and ``top_logprobs`` that many alternatives (OpenAI's chat shape).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import Any
 
 from common.errors import one_line
 
-from . import protocol
+from . import responses
+from .answer import Answer, Choice
 from .protocol import ChatCompletionRequest, OpenAIError
 from .serving_engine import EnginePrompt, OpenAIServing
 
@@ -22,8 +24,12 @@ class OpenAIServingChat(OpenAIServing):
     whole_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def engine_prompt(self, request: ChatCompletionRequest) -> EnginePrompt:
-        """The conversation in the checkpoint's chat markup."""
+    def engine_prompts(self, request: ChatCompletionRequest) -> list[EnginePrompt]:
+        """The conversation in the checkpoint's chat markup (on the worker thread)."""
+        return [EnginePrompt(self.chat_ids(request.messages), "messages")]
+
+    def chat_ids(self, messages: list[Any], *template_options: bool) -> list[int]:
+        """The conversation's ids (``TextCodec.chat_ids``, whose options follow it)."""
         if self.model.codec.template is None:
             raise OpenAIError(
                 400,
@@ -32,9 +38,8 @@ class OpenAIServingChat(OpenAIServing):
                 param="messages",
             )
         try:
-            messages = request.messages
             conversation = [text_only(message, i) for i, message in enumerate(messages, 1)]
-            return EnginePrompt(self.model.codec.chat_ids(conversation), "messages")
+            return self.model.codec.chat_ids(conversation, *template_options)
         except ValueError as exc:  # a bad message, or the template refused it
             raise OpenAIError(400, one_line(exc), param="messages") from None
 
@@ -46,14 +51,36 @@ class OpenAIServingChat(OpenAIServing):
             super().default_max_tokens(prompt) if limit is None else max(limit - len(prompt.ids), 1)
         )
 
-    def whole_choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return protocol.message_choice(text, finish_reason)
+    def whole_choice(self, answer: Answer, choice: Choice) -> dict[str, Any]:
+        message = {"role": "assistant", "content": choice.text.text}
+        entries = choice.entries[: choice.num_tokens]
+        return self.chat_choice(answer, choice, entries, message=message)
 
-    def chunk_choice(self, piece: str, finish_reason: str | None) -> dict[str, Any]:
-        return protocol.delta_choice({"content": piece}, finish_reason)
+    def chunk_choice(
+        self, answer: Answer, choice: Choice, piece: str, ids: list[int], entries: list
+    ) -> dict[str, Any]:
+        return self.chat_choice(answer, choice, entries, delta={"content": piece})
 
-    def first_chunks(self) -> list[dict[str, Any]]:
-        return [protocol.delta_choice({"role": "assistant", "content": ""}, None)]
+    def chat_choice(
+        self, answer: Answer, choice: Choice, entries: list, **content: Any
+    ) -> dict[str, Any]:
+        logprobs = None
+        if answer.logprobs:
+            logprobs = responses.chat_logprobs(entries, self.model.token_text)
+        done = choice.done
+        return responses.choice(
+            choice.index,
+            choice.finish_reason if done else None,
+            choice.stop_reason if done else None,
+            **content,
+            logprobs=logprobs,
+        )
+
+    def first_chunks(self, num_choices: int) -> list[dict[str, Any]]:
+        delta = {"role": "assistant", "content": ""}
+        return [
+            responses.choice(i, None, None, delta=delta, logprobs=None) for i in range(num_choices)
+        ]
 
 
 def text_only(message: Any, number: int) -> Any:

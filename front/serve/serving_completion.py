@@ -1,16 +1,21 @@
-"""``POST /v1/completions`` (vLLM's ``serving_completion.py``): a prompt continued.
+"""``POST /v1/completions`` (vLLM's ``serving_completion.py``): prompts continued.
 
-The prompt is a string, tokenized as ``generate_text`` tokenizes a plain prompt (so that
-``temperature: 0`` gives exactly its answer), or token ids. An answer is 16 tokens long unless
-the request says otherwise (OpenAI's and vLLM's default).
+``prompt`` is a string, a list of strings, token ids or a list of token-id lists (OpenAI's four
+forms): one prompt or several, each with ``n`` choices, numbered as OpenAI numbers them
+(prompt ``i``'s choice ``j`` is ``i * n + j``). A string is tokenized as ``generate_text``
+tokenizes a plain prompt, so that ``temperature: 0`` gives exactly its answer. An answer is 16
+tokens long unless the request says otherwise (OpenAI's and vLLM's default). ``echo`` puts
+the prompt before the answer, and with ``logprobs`` the prompt's log-probabilities too (the
+first ``null``: nothing predicts it), which is how an evaluation harness scores a text.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import protocol
-from .protocol import CompletionRequest, OpenAIError
+from . import responses
+from .answer import Answer, Choice
+from .protocol import CompletionRequest
 from .serving_engine import EnginePrompt, OpenAIServing
 
 
@@ -18,22 +23,45 @@ class OpenAIServingCompletion(OpenAIServing):
     id_prefix = "cmpl"
     whole_object = chunk_object = "text_completion"
 
-    def engine_prompt(self, request: CompletionRequest) -> EnginePrompt:
-        """A string, tokenized as ``generate_text`` does a plain prompt, or token ids."""
-        prompt = request.prompt
-        if isinstance(prompt, str):
-            return EnginePrompt(self.model.codec.completion_ids(prompt), "prompt")
-        if isinstance(prompt, list) and all(type(t) is int for t in prompt):
-            return EnginePrompt(prompt, "prompt")
-        raise OpenAIError(
-            400,
-            "prompt must be a string or a list of token ids (one prompt per request), got "
-            f"{type(prompt).__name__}",
-            param="prompt",
+    def engine_prompts(self, request: CompletionRequest) -> list[EnginePrompt]:
+        """Each prompt: a string, tokenized as ``generate_text`` does a plain prompt, or token
+        ids (``protocol.as_prompts`` checked the form)."""
+        codec = self.model.codec
+        return [
+            EnginePrompt(codec.completion_ids(p), "prompt", p)
+            if isinstance(p, str)
+            else EnginePrompt(p, "prompt")
+            for p in request.prompt
+        ]
+
+    def whole_choice(self, answer: Answer, choice: Choice) -> dict[str, Any]:
+        prefix, ids, entries = answer.echoed_prompt(choice)
+        ids, entries = ids + choice.token_ids, entries + choice.entries[: choice.num_tokens]
+        return self.text_choice(answer, choice, prefix + choice.text.text, ids, entries)
+
+    def chunk_choice(
+        self, answer: Answer, choice: Choice, piece: str, ids: list[int], entries: list
+    ) -> dict[str, Any]:
+        prefix, prompt_ids, prompt_entries = answer.echoed_prompt(choice)
+        return self.text_choice(
+            answer, choice, prefix + piece, prompt_ids + ids, prompt_entries + entries
         )
 
-    def whole_choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return protocol.text_choice(text, finish_reason)
-
-    def chunk_choice(self, piece: str, finish_reason: str | None) -> dict[str, Any]:
-        return protocol.text_choice(piece, finish_reason)
+    def text_choice(
+        self, answer: Answer, choice: Choice, text: str, ids: list[int], entries: list
+    ) -> dict[str, Any]:
+        """One choice's text, and the log-probabilities of its tokens ``ids`` when asked; the
+        choice's finish reason once it is done."""
+        logprobs = None
+        if answer.logprobs:
+            token_text = self.model.token_text
+            logprobs = responses.completion_logprobs(ids, entries, token_text, choice.text_offset)
+            choice.text_offset += sum(len(token) for token in logprobs["tokens"])
+        done = choice.done
+        return responses.choice(
+            choice.index,
+            choice.finish_reason if done else None,
+            choice.stop_reason if done else None,
+            text=text,
+            logprobs=logprobs,
+        )

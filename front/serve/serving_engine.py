@@ -1,16 +1,27 @@
-"""What both generating endpoints share (vLLM's ``serving_engine.py``): ``OpenAIServing``, the
-base of ``serving_completion.py`` and ``serving_chat.py``.
+"""What the generating endpoints share (vLLM's ``serving_engine.py``): ``OpenAIServing``, the
+base of ``serving_completion.py``, ``serving_chat.py`` and ``serving_tokenization.py``.
 
-An endpoint does the same five things. Check the model's name and the fields this server does
-not implement. Turn the prompt into token ids (the subclass's ``engine_prompt``). Make the
-``SamplingParams``, with the checkpoint's ``generation_config.json`` filling what the request
-leaves out, as vLLM does. Queue the request on the ``AsyncLLM``. Then hand back the answer:
-whole, as a dict, or as an ``EventStream`` of chunks, each piece of text whole
-(``IncrementalDetokenizer``). The subclass says how its choices look.
+A generating endpoint does the same things. Check the model's name. Turn the prompts into
+token ids (the subclass's ``engine_prompts``: a completion may bring several). Make each
+prompt's ``SamplingParams``, with the checkpoint's ``generation_config.json`` filling what the
+request leaves out, as vLLM does. Queue ``n`` requests per prompt on the ``AsyncLLM``. Then
+hand back the answer (``answer.py``): whole, as a dict, or as an ``EventStream`` of chunks.
+
+Nothing slow runs on the event loop, where every client's stream is written: tokenizing, the
+chat template and the core's checks (they read every token) run on a thread of their own
+(``run``), as vLLM runs its tokenizer on a one-thread executor (``make_async`` over
+``_tokenizer_executor``); detokenizing runs on another (``run_output``), so that a stream's
+text never waits behind a long prompt. (vLLM detokenizes in its output handler, a task on the
+loop that yields between chunks of outputs.) The Rust tokenizer lets go of the GIL
+(``TextCodec.encode_text``), so a 1 MB prompt being tokenized stalls nobody.
+
+``n`` choices of one prompt are ``n`` requests of their own, as vLLM's ``ParentRequest`` makes
+them: with a ``seed``, choice ``i`` gets ``seed + i`` (so the same request gives the same ``n``
+answers every time); the first computes the prompt and the others adopt its blocks through the
+prefix cache (requests that start together leapfrog through a shared prefix).
 
 No HTTP here: the routes (``api_server.py``) write the dict as JSON or the chunks as
 server-sent events, watch for a client that leaves, and turn ``OpenAIError`` into its status.
-
 Every refusal is an ``OpenAIError`` naming the field. The engine's own checks raise
 ``RequestError`` with the engine's parameter name in ``param``; ``ENGINE_PARAMS`` maps it onto
 the request's field, so no message text is ever parsed.
@@ -18,20 +29,25 @@ the request's field, so no message text is ever parsed.
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
+import ctypes.util
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 from common.errors import ContextLengthError, RequestError, one_line
-from common.sampling import RequestOutput, SamplingParams
+from common.sampling import SamplingParams
 
 from ..codec import TextCodec
-from ..stream import IncrementalDetokenizer, answer_ids
-from . import protocol
-from .async_llm import AsyncLLM, RequestStream
+from .answer import Answer, Choice
+from .async_llm import AsyncLLM
 from .protocol import OpenAIError, SamplingRequest
 
 DEFAULT_MAX_TOKENS = 16  # a completion's, when the request gives none (OpenAI's and vLLM's)
+LONG_PROMPT = 2**16  # tokens: past it, what tokenizing freed is handed back at once
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -42,16 +58,21 @@ class ServedModel:
     name: str
     codec: TextCodec
     max_model_len: int | None
-    sampling_defaults: dict[str, Any]  # generation_config.json's temperature, top_p, top_k
+    sampling_defaults: dict[str, Any]  # generation_config.json's temperature, top_p, ...
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens shown (what a log-probability is about)."""
+        return self.codec.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 @dataclass(frozen=True)
 class EnginePrompt:
-    """A request's prompt as the engine takes it (vLLM's name): token ids, and the request's
-    field they came from, for the errors to name."""
+    """A request's prompt as the engine takes it (vLLM's name): token ids, the request's field
+    they came from, for the errors to name, and its text when it came as text (``echo``)."""
 
     ids: list[int]
     field: str  # "prompt" or "messages"
+    text: str | None = None
 
 
 @dataclass(frozen=True)
@@ -64,7 +85,7 @@ class EventStream:
 
 
 class OpenAIServing:
-    """One generating endpoint over one ``AsyncLLM``: what a subclass leaves to this base."""
+    """One endpoint over one ``AsyncLLM``: what a subclass leaves to this base."""
 
     id_prefix = ""  # the answers' ids: "cmpl-...", "chatcmpl-..."
     whole_object = ""  # the ``object`` of a whole answer
@@ -73,23 +94,48 @@ class OpenAIServing:
     def __init__(self, llm: AsyncLLM, model: ServedModel) -> None:
         self.llm = llm
         self.model = model
+        self.tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self.detokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="detokenizer")
+
+    async def run(self, work: Callable[..., T], *args: Any) -> T:
+        """``work(*args)`` on the tokenizer's thread: the event loop serves everyone meanwhile."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenizer_thread, work, *args)
+
+    async def run_output(self, work: Callable[..., T], *args: Any) -> T:
+        """``work(*args)`` on the detokenizer's thread: a stream's text is never held up
+        behind a long prompt being tokenized."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.detokenizer_thread, work, *args)
+
+    def tokenized(self, request: Any) -> list[EnginePrompt]:
+        """``engine_prompts``, on the tokenizer's thread; after a long prompt, the memory its
+        tokenizing freed is handed back to the system (``release_freed_memory``)."""
+        prompts = self.engine_prompts(request)
+        if sum(len(prompt.ids) for prompt in prompts) > LONG_PROMPT:
+            release_freed_memory()
+        return prompts
 
     # ---- what each endpoint says for itself -------------------------------------------------
 
-    def engine_prompt(self, request: Any) -> EnginePrompt:
+    def engine_prompts(self, request: Any) -> list[EnginePrompt]:
+        """The request's prompts as token ids (on the worker thread)."""
         raise NotImplementedError
 
     def default_max_tokens(self, prompt: EnginePrompt) -> int:
         return DEFAULT_MAX_TOKENS
 
-    def whole_choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def whole_choice(self, answer: Answer, choice: Choice) -> dict[str, Any]:
         raise NotImplementedError
 
-    def chunk_choice(self, piece: str, finish_reason: str | None) -> dict[str, Any]:
+    def chunk_choice(
+        self, answer: Answer, choice: Choice, piece: str, ids: list[int], entries: list
+    ) -> dict[str, Any]:
+        """A streamed piece of one choice: its text, and its new tokens' log-probabilities."""
         raise NotImplementedError
 
-    def first_chunks(self) -> list[dict[str, Any]]:
-        """Chunks sent before any text (a chat's names the role)."""
+    def first_chunks(self, num_choices: int) -> list[dict[str, Any]]:
+        """Chunks sent before any text (a chat's name the role)."""
         return []
 
     # ---- the request in -----------------------------------------------------------------------
@@ -98,26 +144,41 @@ class OpenAIServing:
         """The answer to ``request``: whole, or an ``EventStream`` when it asks to stream. A
         whole answer waited for and then abandoned (the client left) is aborted."""
         self.check_model(request)
-        refused = protocol.unsupported_field(request)
-        if refused is not None:
-            raise refused
-        prompt = self.engine_prompt(request)
-        params = self.sampling_params(request, prompt)
-        eos = None if request.ignore_eos else self.model.codec.eos_token_ids
+        check_best_of(request)
+        logprobs = request.logprobs_asked()  # type: ignore[attr-defined]
+        prompts = await self.run(self.tokenized, request)
+        answer = Answer(self, request, prompts, logprobs)
+        params = await self.requests_for(request, prompts, logprobs)
         try:
-            stream = self.llm.add_request(prompt.ids, params, eos)
-        except RequestError as exc:
-            raise openai_error(exc, prompt.field) from None
-        answer = Answer(self, protocol.new_id(self.id_prefix), len(prompt.ids))
+            answer.start(params)
+        except BaseException:  # the engine failed half-way: what was queued goes
+            answer.abort()
+            raise
         if request.stream:
             usage = request.stream_options is not None and request.stream_options.include_usage
-            return EventStream(answer.chunks(stream, usage), lambda: self.llm.abort(stream))
+            return EventStream(answer.chunks(usage), answer.abort)
         try:
-            return answer.whole(await last_output(stream))
+            return await answer.whole()
         finally:
-            self.llm.abort(stream)  # a no-op unless the wait was cancelled: the client left
+            answer.abort()  # a no-op unless the wait was cancelled: the client left
 
-    def check_model(self, request: SamplingRequest) -> None:
+    async def requests_for(
+        self, request: SamplingRequest, prompts: list[EnginePrompt], logprobs: int | None
+    ) -> list[list[SamplingParams]]:
+        """Each prompt's ``n`` requests' ``SamplingParams``, every prompt checked by the core
+        (on the worker thread) before any is queued: a bad one leaves the engine untouched."""
+        eos = None if request.ignore_eos else self.model.codec.eos_token_ids
+        per_prompt = []
+        for prompt in prompts:
+            params = self.sampling_params(request, prompt, logprobs)
+            try:
+                await self.run(self.llm.check, prompt.ids, params, eos)
+            except RequestError as exc:
+                raise openai_error(exc, prompt.field) from None
+            per_prompt.append([child_params(params, i) for i in range(request.n)])
+        return per_prompt
+
+    def check_model(self, request: Any) -> None:
         if request.model is not None and request.model != self.model.name:
             raise OpenAIError(
                 404,
@@ -127,18 +188,18 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    def sampling_params(self, request: SamplingRequest, prompt: EnginePrompt) -> SamplingParams:
-        """The request's fields over the checkpoint's defaults."""
+    def sampling_params(
+        self, request: SamplingRequest, prompt: EnginePrompt, logprobs: int | None = None
+    ) -> SamplingParams:
+        """The request's fields over the checkpoint's defaults; ``logprobs``: alternatives per
+        token to report (None: none), and the prompt's too when it is echoed."""
         max_tokens = request.max_tokens_asked()
         if max_tokens is None:
             max_tokens = self.default_max_tokens(prompt)
-        given = {
-            "temperature": request.temperature,
-            "top_p": request.top_p,
-            "top_k": request.top_k,
-            "seed": request.seed,
-            "stop_token_ids": request.stop_token_ids,
-        }
+        given = {name: getattr(request, name) for name in SAMPLING_FIELDS}
+        given["logprobs"] = logprobs
+        if logprobs is not None and request.echo:
+            given["prompt_logprobs"] = logprobs  # vLLM's: echo with logprobs scores the prompt
         chosen = {name: value for name, value in given.items() if value is not None}
         try:
             return SamplingParams(
@@ -148,51 +209,44 @@ class OpenAIServing:
             raise openai_error(exc, prompt.field) from None
 
 
-class Answer:
-    """One request's answer, whole or as chunks, in its endpoint's shape."""
-
-    def __init__(self, serving: OpenAIServing, request_id: str, prompt_tokens: int) -> None:
-        self.serving = serving
-        self.request_id = request_id
-        self.prompt_tokens = prompt_tokens
-
-    def whole(self, final: RequestOutput) -> dict[str, Any]:
-        if final.finish_reason == "abort":
-            raise OpenAIError(503, "the request was aborted: the server is shutting down")
-        text = self.serving.model.codec.decode(answer_ids(final))
-        choice = self.serving.whole_choice(text, final.finish_reason)
-        return self.completion(self.serving.whole_object, choice, self.usage(final))
-
-    async def chunks(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[dict]:
-        """A chunk per piece of text, the last with the finish reason, then the usage if
-        asked for; an engine that fails ends the chunks with an error."""
-        for choice in self.serving.first_chunks():
-            yield self.completion(self.serving.chunk_object, choice)
-        detokenizer = IncrementalDetokenizer(self.serving.model.codec.decode)
-        final = None
-        try:
-            async for final in stream:
-                ids = answer_ids(final)
-                piece = detokenizer.finish(ids) if final.finished else detokenizer.update(ids)
-                if piece or final.finished:
-                    choice = self.serving.chunk_choice(piece, final.finish_reason)
-                    yield self.completion(self.serving.chunk_object, choice)
-        except Exception as exc:  # the engine failed: say so in the stream, then end it
-            yield OpenAIError(500, str(exc)).body()
-            return
-        if include_usage and final is not None:
-            yield self.completion(self.serving.chunk_object, {}, self.usage(final))
-
-    def completion(
-        self, kind: str, choice: dict[str, Any], usage: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
-        return protocol.completion(kind, self.request_id, self.serving.model.name, choice, usage)
-
-    def usage(self, final: RequestOutput) -> dict[str, Any]:
-        return protocol.usage(self.prompt_tokens, len(final.token_ids), final.num_cached_tokens)
+# The request's fields that are ``SamplingParams``' own, under the same names (vLLM's).
+SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "min_tokens",
+)  # fmt: skip
 
 
-# ---- helpers ---------------------------------------------------------------------------------
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index``'s params, as vLLM's ``ParentRequest`` derives them: with a seed, its
+    own ``seed + index``; without, the engine gives each child a seed of its own."""
+    if params.seed is None or index == 0:
+        return params
+    return replace(params, seed=params.seed + index)
+
+
+def check_best_of(request: SamplingRequest) -> None:
+    """``best_of`` ranks candidates by their likelihood and answers the best ``n``; this server
+    ranks nothing, so it takes ``best_of`` only as ``n`` (vLLM's newer engine takes none)."""
+    if request.best_of is not None and request.best_of != request.n:
+        raise OpenAIError(
+            400,
+            f"best_of={request.best_of} is supported only equal to n ({request.n}): this "
+            "server does not rank candidates",
+            param="best_of",
+        )
+
+
+def release_freed_memory() -> None:
+    """glibc keeps what a thread freed in that thread's arena, for its next allocations: after
+    a prompt of a million characters, a hundred MiB or more that the tokenizer no longer uses
+    (the server grew by that much per long prompt). ``malloc_trim`` hands it back to the
+    system; elsewhere than glibc, nothing is done."""
+    libc = ctypes.util.find_library("c")
+    if libc is not None and hasattr(ctypes.CDLL(libc), "malloc_trim"):
+        ctypes.CDLL(libc).malloc_trim(0)
+
+
+# ---- errors --------------------------------------------------------------------------------------
 
 # The engine's parameter names, as the request calls them (None: not the client's field).
 ENGINE_PARAMS = {"max_new_tokens": "max_tokens", "eos_token_id": None, "sampling_params": None}
@@ -212,9 +266,3 @@ def openai_error(exc: RequestError, prompt_field: str) -> OpenAIError:
         )
     param = prompt_field if exc.param == "prompt_ids" else ENGINE_PARAMS.get(exc.param, exc.param)
     return OpenAIError(400, one_line(exc), param=param)
-
-
-async def last_output(stream: RequestStream) -> RequestOutput:
-    """The request's final output (a whole answer needs only that one)."""
-    outputs = [output async for output in stream if output.finished]
-    return outputs[-1]

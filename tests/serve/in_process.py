@@ -31,4 +31,5 @@ def served_app(
             outer.mount("/", build_app(llm, served, metrics, **app_args))
             yield
 
-    return FastAPI(lifespan=lifespan)
+    # no schema of its own: /openapi.json is the served app's
+    return FastAPI(lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)

@@ -45,11 +45,60 @@ BAD: list[tuple[str, str, Any, dict[str, str], int, str | None, str]] = [
     ("seed -1", CHAT, chat(seed=-1), KEY, 400, "seed", "seed"),
     ("stop id outside", CHAT, chat(stop_token_ids=[OUTSIDE]), KEY, 400, "stop_token_ids", "vocab"),
     ("past the context", CHAT, chat(max_tokens=CONTEXT), KEY, 400, "messages", f"is {CONTEXT}"),
-    ("n 2", CHAT, chat(n=2), KEY, 400, "n", "not supported"),
-    ("stop strings", CHAT, chat(stop=["\n"]), KEY, 400, "stop", "not supported"),
+    ("n 0", CHAT, chat(n=0), KEY, 400, "n", "greater than or equal to 1"),
+    ("an empty stop string", CHAT, chat(stop=[""]), KEY, 400, "stop", "at least 1"),
+    ("best_of above n", COMPLETIONS, {"prompt": "x", "best_of": 3}, KEY, 400, "best_of", "n"),
+    ("logprobs 21", COMPLETIONS, {"prompt": "x", "logprobs": 21}, KEY, 400, "logprobs", "20"),
+    ("top_logprobs alone", CHAT, chat(top_logprobs=2), KEY, 400, "top_logprobs", "logprobs"),
+    ("echo on chat", CHAT, chat(echo=True), KEY, 400, "echo", "not supported"),
+    ("tools", CHAT, chat(tools=[{"type": "function"}]), KEY, 400, "tools", "not supported"),
+    (
+        "tool_choice required",
+        CHAT,
+        chat(tool_choice="required"),
+        KEY,
+        400,
+        "tool_choice",
+        "not supported",
+    ),
+    (
+        "response_format json",
+        CHAT,
+        chat(response_format={"type": "json_object"}),
+        KEY,
+        400,
+        "response_format",
+        "not supported",
+    ),
+    ("logit_bias", CHAT, chat(logit_bias={"5": 1}), KEY, 400, "logit_bias", "not supported"),
+    (
+        "max_completion_tokens on completions",
+        COMPLETIONS,
+        {"prompt": "x", "max_completion_tokens": 4},
+        KEY,
+        400,
+        "max_completion_tokens",
+        "not supported",
+    ),
+    (
+        "repetition_penalty 0",
+        CHAT,
+        chat(repetition_penalty=0),
+        KEY,
+        400,
+        "repetition_penalty",
+        "greater than 0",
+    ),
+    ("presence_penalty 3", CHAT, chat(presence_penalty=3), KEY, 400, "presence_penalty", "2"),
+    ("min_p 2", CHAT, chat(min_p=2), KEY, 400, "min_p", "1"),
     ("prompt a number", COMPLETIONS, {"prompt": 3}, KEY, 400, "prompt", "prompt"),
     ("prompt ids outside", COMPLETIONS, {"prompt": [1, OUTSIDE]}, KEY, 400, "prompt", "vocab"),
     ("empty prompt", COMPLETIONS, {"prompt": []}, KEY, 400, "prompt", "empty"),
+    ("an empty prompt in a list", COMPLETIONS, {"prompt": ["a", ""]}, KEY, 400, "prompt", "empty"),
+    ("tokenize nothing", "/tokenize", {}, KEY, 400, "prompt", "prompt or messages"),
+    ("detokenize outside", "/detokenize", {"tokens": [OUTSIDE]}, KEY, 400, "tokens", "vocab"),
+    ("reset without the key", "/reset_prefix_cache", {}, {}, 401, None, "API key"),
+    ("tokenize without the key", "/tokenize", {"prompt": "x"}, {}, 401, None, "API key"),
     ("unknown model", CHAT, chat(model="gpt-4"), KEY, 404, "model", "gpt-4"),
     ("no API key", CHAT, chat(), {}, 401, None, "API key"),
     ("wrong API key", CHAT, chat(), {"Authorization": "Bearer nope"}, 401, None, "API key"),
@@ -86,8 +135,26 @@ def test_a_bad_request_gets_its_4xx_and_the_next_one_is_served(
     assert good.json()["usage"]["completion_tokens"] == 4
 
 
-def test_only_v1_is_behind_the_key(server: ServerProcess) -> None:
+def test_only_health_and_metrics_are_open(server: ServerProcess) -> None:
+    """As in vLLM: a load balancer and Prometheus need no key; everything else does."""
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/metrics").status_code == 200
     assert httpx.get(server.url + "/v1/models").status_code == 401
     assert httpx.get(server.url + "/v1/models", headers=KEY).status_code == 200
+
+
+def test_curl_d_without_a_content_type_is_read_as_json(server: ServerProcess) -> None:
+    """``curl -d`` says ``application/x-www-form-urlencoded``; the body is JSON all the same."""
+    body = b'{"prompt": "hello", "max_tokens": 3}'
+    for content_type in ("application/x-www-form-urlencoded", None):
+        headers = {**KEY, **({"Content-Type": content_type} if content_type else {})}
+        answer = httpx.post(server.url + COMPLETIONS, content=body, headers=headers)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_method_a_path_does_not_take_is_405_with_allow(server: ServerProcess) -> None:
+    answer = httpx.delete(server.url + COMPLETIONS, headers=KEY)
+    assert answer.status_code == 405
+    assert answer.headers["allow"] == "POST"
+    assert set(answer.json()["error"]) == {"message", "type", "param", "code"}

@@ -249,11 +249,12 @@ def test_reset_prefix_cache_waits_for_the_requests_to_end(server: ServerProcess)
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers):
         wait_for(server, running=1)
-        refused = httpx.post(server.url + "/reset_prefix_cache")
+        refused = httpx.post(server.url + "/reset_prefix_cache", headers=headers)
         assert refused.status_code == 409, refused.text
         assert "running" in refused.json()["error"]["message"]
     wait_until_idle(server)
-    assert httpx.post(server.url + "/reset_prefix_cache").status_code == 200
+    assert httpx.post(server.url + "/reset_prefix_cache").status_code == 401  # the key
+    assert httpx.post(server.url + "/reset_prefix_cache", headers=headers).status_code == 200
     again = client(server).completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=2)
     assert again.usage.prompt_tokens_details.cached_tokens == 0
 

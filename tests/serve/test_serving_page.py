@@ -62,3 +62,76 @@ def test_every_metric_the_page_names_is_served(server: ServerProcess) -> None:
     }
     served |= {re.sub(r"_(bucket|count|sum)$", "", name) for name in served}
     assert len(named) >= 12 and named <= served, named - served
+
+
+@pytest.mark.parametrize("server", LAST, indirect=True)
+def test_the_fields_example_prints_a_choice_per_prompt_and_n(server: ServerProcess) -> None:
+    fields = next(block for block in CLIENT_BLOCKS if "extra_body" in block)
+    lines = run_example(fields, server).splitlines()
+    assert [line.split()[0] for line in lines[:4]] == ["0", "1", "2", "3"]
+    assert "prompt_tokens" in lines[4]
+
+
+FIELDS_TABLE = PAGE[PAGE.index("| field | endpoints | here |") : PAGE.index("`usage` counts each")]
+
+
+def test_the_fields_table_names_what_the_request_models_declare() -> None:
+    """Every field the request models declare is in the table (honoured or refused), and
+    every field the table says is honoured or refused is declared; the table's ignored ones
+    are not (nobody's field is ignored by being left undeclared but those)."""
+    from front.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+    rows = [line.split("|")[1] for line in FIELDS_TABLE.splitlines()[2:] if line.startswith("|")]
+    named = {name for row in rows for name in re.findall(r"`([a-z_]+)`", row)}
+    ignored_row = next(row for row in rows if "`user`" in row)
+    ignored = set(re.findall(r"`([a-z_]+)`", ignored_row)) - {"stream_options", "stream"}
+    declared = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+    assert declared - {"include_usage"} <= named, declared - named
+    assert (named - ignored) <= declared | {"include_usage"}, (named - ignored) - declared
+    assert not ignored & declared
+
+
+FLAGS_TABLE = PAGE[PAGE.index("| flag | default | what |") : PAGE.index("**How many requests")]
+WORDS = {"off": False, "(needed)": None}  # how the table writes a default that is no value
+
+
+def documented_defaults() -> dict[str, str]:
+    """Each flag of the table, with its default as the table writes it."""
+    found = {}
+    for line in [row for row in FLAGS_TABLE.splitlines()[2:] if row.startswith("|")]:
+        flags_cell, default_cell = line.split("|")[1:3]
+        flags = re.findall(r"`(--[a-z-]+)", flags_cell)
+        defaults = [d.strip() for d in default_cell.split(",")]
+        defaults = defaults if len(defaults) == len(flags) else [default_cell.strip()] * len(flags)
+        found.update(zip(flags, defaults, strict=True))
+    return found
+
+
+def test_the_flags_table_gives_every_flag_with_its_real_default() -> None:
+    """A changed default (``--max-running``, ``--max-request-bytes``...) fails here until the
+    page says it; so does a flag the page leaves out."""
+    from front.serve.options import build_parser
+
+    parser = build_parser("serve")
+    actual = {
+        action.option_strings[0]: action.default
+        for action in parser._actions
+        if action.option_strings and action.option_strings[0] != "-h"
+    }
+    documented = documented_defaults()
+    assert set(documented) == set(actual)
+    for flag, text in documented.items():
+        default = actual[flag]
+        if text.startswith("none"):
+            assert default is None, flag
+        elif text in WORDS:
+            assert default is WORDS[text] or (text == "(needed)" and default is None), flag
+        else:
+            assert text == str(default), (flag, text, default)
+
+
+def test_the_page_says_the_batch_commands_run_fewer_at_once() -> None:
+    """The page compares the server's ``--max-running`` with ``run.py``'s: both pinned."""
+    from front.cli import EngineOptions
+
+    assert f"`--max-running` is {EngineOptions().max_running})" in PAGE
