@@ -122,8 +122,7 @@ class TextRequests:
     def stop_strings(self, index: int) -> StopStrings:
         """Request ``index``'s stop strings, with its ``min_tokens`` (none are looked for in
         the text of its first ``min_tokens`` tokens, as vLLM does)."""
-        params = self.requests[index].sampling_params
-        min_tokens = getattr(params, "min_tokens", 0)  # a SamplingParams without it: none
+        min_tokens = self.requests[index].sampling_params.min_tokens
         return StopStrings(self.stop, self.include_stop_str_in_output, min_tokens)
 
 
