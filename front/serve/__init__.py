@@ -15,7 +15,8 @@ API (``python -m <step>.serve --model DIR``; docs/serving.md).
   threads, each choice's ``SamplingParams``); ``serving_completion.py``, ``serving_chat.py``
   and ``serving_tokenization.py``: ``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``
   and ``/detokenize``, prompt to answer; ``answer.py``: one request's choices as they grow
-  (their text, stop strings applied, log-probabilities, the usage);
+  (their text, stop strings applied, log-probabilities, the usage); ``serving_models.py``:
+  the served model and a prompt as it takes it, which both sides name;
 - ``api_server.py``: the FastAPI app, its routes, the HTTP (bodies read and checked, JSON,
   server-sent events, a client that leaves) and its errors; ``limits.py``: a body over
   ``--max-request-bytes`` refused before it is read; ``openapi.py``: the published schema;

@@ -16,18 +16,39 @@ counts are those up to the one that completed the string, as in vLLM.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol, TypeVar
 
 from common.sampling import RequestOutput, SamplingParams
 
 from ..stream import IncrementalDetokenizer, StopStrings, answer_ids
 from . import responses
-from .async_llm import RequestStream
+from .async_llm import AsyncLLM, RequestStream
 from .protocol import OpenAIError, SamplingRequest
+from .serving_models import EnginePrompt, ServedModel
 
-if TYPE_CHECKING:
-    from .serving_engine import EnginePrompt, OpenAIServing
+T = TypeVar("T")
+
+
+class Endpoint(Protocol):
+    """What an answer asks of its endpoint (``serving_engine.OpenAIServing`` is one): the
+    engine and the model, where to run work off the loop, and the endpoint's shapes."""
+
+    llm: AsyncLLM
+    model: ServedModel
+    id_prefix: str
+    whole_object: str
+    chunk_object: str
+
+    async def run_output(self, work: Callable[..., T], *args: Any) -> T: ...
+
+    def whole_choice(self, answer: Answer, choice: Choice) -> dict[str, Any]: ...
+
+    def chunk_choice(
+        self, answer: Answer, choice: Choice, piece: str, ids: list[int], entries: list[Any]
+    ) -> dict[str, Any]: ...
+
+    def first_chunks(self, num_choices: int) -> list[dict[str, Any]]: ...
 
 
 class Choice:
@@ -95,7 +116,7 @@ class Answer:
 
     def __init__(
         self,
-        serving: OpenAIServing,
+        serving: Endpoint,
         request: SamplingRequest,
         prompts: list[EnginePrompt],
         logprobs: int | None,

@@ -64,7 +64,8 @@ from .responses import (
 )
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
-from .serving_engine import EventStream, OpenAIServing, ServedModel
+from .serving_engine import EventStream, OpenAIServing
+from .serving_models import ServedModel
 from .serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("serve")

@@ -41,7 +41,7 @@ from .api_server import build_app
 from .async_llm import AsyncLLM, build_async_engine_client
 from .metrics import Metrics
 from .options import ServeOptions
-from .serving_engine import ServedModel
+from .serving_models import ServedModel
 
 # generation_config.json's fields that vLLM takes as a request's defaults (those this engine
 # has); HF's own default temperature, 1.0, when the file has none.

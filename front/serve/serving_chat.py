@@ -16,7 +16,8 @@ from common.errors import one_line
 from . import responses
 from .answer import Answer, Choice
 from .protocol import ChatCompletionRequest, OpenAIError
-from .serving_engine import EnginePrompt, OpenAIServing
+from .serving_engine import OpenAIServing
+from .serving_models import EnginePrompt
 
 
 class OpenAIServingChat(OpenAIServing):

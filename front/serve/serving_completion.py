@@ -16,7 +16,8 @@ from typing import Any
 from . import responses
 from .answer import Answer, Choice
 from .protocol import CompletionRequest
-from .serving_engine import EnginePrompt, OpenAIServing
+from .serving_engine import OpenAIServing
+from .serving_models import EnginePrompt
 
 
 class OpenAIServingCompletion(OpenAIServing):

@@ -40,39 +40,14 @@ from typing import Any, TypeVar
 from common.errors import ContextLengthError, RequestError, one_line
 from common.sampling import SamplingParams
 
-from ..codec import TextCodec
 from .answer import Answer, Choice
 from .async_llm import AsyncLLM
 from .protocol import OpenAIError, SamplingRequest
+from .serving_models import EnginePrompt, ServedModel
 
 DEFAULT_MAX_TOKENS = 16  # a completion's, when the request gives none (OpenAI's and vLLM's)
 LONG_PROMPT = 2**16  # tokens: past it, what tokenizing freed is handed back at once
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    """What the server knows of its checkpoint, loaded once: its name, its text side (the
-    tokenizer, the chat template, the eos ids), and what a request falls back on."""
-
-    name: str
-    codec: TextCodec
-    max_model_len: int | None
-    sampling_defaults: dict[str, Any]  # generation_config.json's temperature, top_p, ...
-
-    def token_text(self, token_id: int) -> str:
-        """One token's own text, special tokens shown (what a log-probability is about)."""
-        return self.codec.tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-@dataclass(frozen=True)
-class EnginePrompt:
-    """A request's prompt as the engine takes it (vLLM's name): token ids, the request's field
-    they came from, for the errors to name, and its text when it came as text (``echo``)."""
-
-    ids: list[int]
-    field: str  # "prompt" or "messages"
-    text: str | None = None
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from common.config import ModelConfig
 from front.serve.api_server import build_app
 from front.serve.async_llm import build_async_engine_client
 from front.serve.metrics import Metrics
-from front.serve.serving_engine import ServedModel
+from front.serve.serving_models import ServedModel
 
 
 def served_app(

@@ -12,7 +12,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from front.codec import TextCodec
-from front.serve.serving_engine import ServedModel
+from front.serve.serving_models import ServedModel
 from front.steps import load_step
 from tests.helpers import STEP_NAMES
 from tests.serve.in_process import served_app

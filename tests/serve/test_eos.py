@@ -14,7 +14,7 @@ from starlette.testclient import TestClient
 
 from common.sampling import SamplingParams
 from front.codec import TextCodec
-from front.serve.serving_engine import ServedModel
+from front.serve.serving_models import ServedModel
 from front.steps import load_step
 from tests.helpers import STEP_NAMES
 from tests.serve.in_process import served_app

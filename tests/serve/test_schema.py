@@ -31,7 +31,7 @@ from front.codec import TextCodec
 from front.serve.protocol import ChatCompletionRequest, CompletionRequest
 from front.serve.serving_chat import OpenAIServingChat
 from front.serve.serving_completion import OpenAIServingCompletion
-from front.serve.serving_engine import ServedModel
+from front.serve.serving_models import ServedModel
 from front.steps import load_step
 from tests.helpers import STEP_NAMES
 from tests.serve.in_process import served_app

@@ -16,13 +16,8 @@ from front.serve.protocol import (
 )
 from front.serve.serving_chat import OpenAIServingChat
 from front.serve.serving_completion import OpenAIServingCompletion
-from front.serve.serving_engine import (
-    DEFAULT_MAX_TOKENS,
-    EnginePrompt,
-    OpenAIServing,
-    ServedModel,
-    child_params,
-)
+from front.serve.serving_engine import DEFAULT_MAX_TOKENS, OpenAIServing, child_params
+from front.serve.serving_models import EnginePrompt, ServedModel
 
 DEFAULTS = {"temperature": 0.6, "top_p": 0.9}  # as a checkpoint's generation_config gives
 
