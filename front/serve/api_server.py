@@ -6,7 +6,8 @@
   ``POST /reset_prefix_cache``;
 - under ``/v1``, guarded by the API key when one is set: ``GET /v1/models``,
   ``POST /v1/completions`` (``serving_completion.py``), ``POST /v1/chat/completions``
-  (``serving_chat.py``).
+  (``serving_chat.py``), and their ``/render`` twins, the prompt's token ids without the run
+  (``serving_render.py``: what a prefix-aware router routes by).
 
 The HTTP is here and only here: a handler returns an answer (a dict) or an ``EventStream``,
 and ``respond`` writes it, as JSON or as server-sent events ending with ``data: [DONE]``,
@@ -42,6 +43,7 @@ from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
 from .serving_engine import EventStream, OpenAIServing, ServedModel
+from .serving_render import add_render_routes
 
 logger = logging.getLogger("serve")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
@@ -115,6 +117,7 @@ def v1_router(llm: AsyncLLM, served: ServedModel, api_key: str | None) -> APIRou
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await respond(request, chat, body)
 
+    add_render_routes(router, completion, chat)  # what a prefix-aware router routes by
     return router
 
 

@@ -10,6 +10,7 @@ import argparse
 from dataclasses import dataclass
 
 from ..cli import EngineOptions, HelpFormatter, add_engine_flags, add_model_flag, int_range
+from .kv_events_config import KVEventsConfig, kv_events_config
 
 DESCRIPTION = """\
 An OpenAI-compatible server (vLLM's endpoints and metric names) over this step's engine. The
@@ -34,6 +35,7 @@ class ServeOptions:
     served_model_name: str | None
     engine: EngineOptions
     engine_in_thread: bool = False  # vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0
+    kv_events: KVEventsConfig | None = None  # --kv-events-config (None: no events)
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -64,6 +66,16 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "(vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0): one process, but the engine shares Python's "
         "GIL with the HTTP side, slower under load (docs/serving.md)",
     )
+    p.add_argument(
+        "--kv-events-config",
+        type=kv_events_config,
+        metavar="JSON",
+        help="publish the prefix cache's KV events as vLLM does, for a KV-aware router: a JSON "
+        'object of vLLM\'s keys, e.g. \'{"enable_kv_cache_events": true, "endpoint": '
+        '"tcp://*:5557"}\' (enable_kv_cache_events, publisher, endpoint, replay_endpoint, '
+        "topic, buffer_steps, hwm, max_queue_size; docs/scale-out.md); needs pip install -e "
+        "'.[cluster]'",
+    )
     return p
 
 
@@ -77,4 +89,5 @@ def parse_args(prog: str, argv: list[str] | None) -> ServeOptions:
         args.served_model_name,
         EngineOptions.from_args(args),
         args.engine_in_thread,
+        args.kv_events_config,
     )
