@@ -151,6 +151,11 @@ class ZmqEventPublisher:
             self._close()
             where = config.endpoint if self._replay is None else config.replay_endpoint
             raise OSError(f"KV events: cannot open {where}: {exc}") from None
+        # Where it really is: a wildcard port (tcp://127.0.0.1:*) is resolved once bound.
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = (
+            self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay is not None else None
+        )
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
@@ -184,6 +189,7 @@ class ZmqEventPublisher:
             seq, payload = next(self._sequence), encoder.encode(batch)
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
             self._buffer.append((seq, payload))
+            self._queue.task_done()  # queue.join() returns once every batch is out
 
     def _serve_replay(self) -> None:
         """One replay request: every buffered batch from its sequence number on, then the end."""
