@@ -157,9 +157,10 @@ class Router(Process):
         raise FleetError(f"{ROUTER} never became ready: see {self.log}")
 
     def own_metrics(self) -> dict[str, float]:
-        """Its Prometheus series about routing decisions (what it says it did)."""
+        """Its Prometheus series about its decisions: routing, retries, circuit breakers."""
         text = httpx_module().get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=30).text
         kept = ("vllm_router_prefix_routing", "vllm_router_kv_", "vllm_router_policy_decisions")
+        kept += ("vllm_router_processed", "vllm_router_retries", "vllm_router_cb_")
         return {
             series: float(value)
             for series, _, value in (line.rpartition(" ") for line in text.splitlines())
