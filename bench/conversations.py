@@ -105,6 +105,19 @@ class Turn:
         assert self.first_text is not None
         return self.first_text - self.sent
 
+    @classmethod
+    def from_json(cls, saved: dict[str, Any]) -> Turn:
+        """What ``to_json`` kept (the prompt by its length only)."""
+        ttft, sent = saved["ttft_s"], saved["sent_s"]
+        first = None if ttft is None else sent + ttft
+        turn = cls(saved["chat"], saved["turn"], [0] * saved["prompt_tokens"], sent, first)
+        turn.last_text, turn.answer, turn.error = (
+            saved["last_text_s"],
+            saved["answer"],
+            saved["error"],
+        )
+        return turn
+
     def to_json(self) -> dict[str, Any]:
         return {
             "chat": self.chat,

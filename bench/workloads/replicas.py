@@ -138,6 +138,17 @@ class PolicyRun:
         }
 
 
+def runs_of(saved: dict) -> list[PolicyRun]:
+    """The runs of a saved ``replicas.json``, as they were measured (to print its table again)."""
+    runs = []
+    for run in saved["runs"]:
+        turns = [Turn.from_json(t) for t in run["turns"]]
+        counts = run["per_replica"]
+        figures = (counts["prompt_tokens"], counts["prefix_cache_hits"], counts["requests"])
+        runs.append(PolicyRun(run["policy"], turns, *figures, router=run["router_metrics"]))
+    return runs
+
+
 def figures(replica: Replica) -> tuple[float, float, float]:
     text = replica.metrics()
     requests = counter(text, "vllm:request_success")
@@ -206,7 +217,12 @@ def problems(runs: list[PolicyRun], expected: Reference, requests: int) -> list[
 
 # ---- the report ------------------------------------------------------------------------------
 
-TITLES = ["policy", "requests per replica", "prefix reuse", "computed prompt tokens"]
+TITLES = [
+    "policy",
+    "requests per replica (busiest first)",
+    "prefix reuse",
+    "computed prompt tokens",
+]
 TITLES += ["vs ideal", "TTFT p50 ms", "TTFT p99 ms", "tokens/s"]
 
 
@@ -221,7 +237,7 @@ def table(runs: list[PolicyRun], policies: tuple[str, ...], ideal: int) -> str:
         mine = [r for r in runs if r.policy == policy]
         ratios = [r.computed / ideal for r in mine]
         spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(mine) > 1 else ""
-        per_replica = zip(*(r.requests for r in mine))
+        per_replica = zip(*(sorted(r.requests, reverse=True) for r in mine))  # busiest first
         rows.append(
             [
                 policy,
@@ -299,7 +315,7 @@ def run(options: BenchOptions, progress: Progress) -> int:
         f"{options.dtype}, one thread each, max_running {options.max_running}; each pool "
         f"{total} blocks of {bs} = {pool[0]} (half of the tenants' system prompts) + {pool[1]} "
         f"(room for {options.max_running} conversations' own blocks); vllm-router, policies "
-        f"{', '.join(options.policies)}; {plural(options.repeats, 'pass')}, each from cold caches"
+        f"{', '.join(options.policies)}; {options.repeats} pass(es), each from cold caches"
     )
     flags = ["--served-model-name", SERVED_NAME, "--total-blocks", str(total)]
     flags += ["--max-model-len", str(longest), "--max-running", str(options.max_running)]

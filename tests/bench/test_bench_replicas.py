@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from bench.conversations import TenantWorkload, drive, ids_of, prompts_of, text
-from bench.workloads.replicas import pool_blocks, reference, write_checkpoint
+from bench.fleet import POLICIES
+from bench.workloads.replicas import pool_blocks, reference, runs_of, table, write_checkpoint
 from common.config import preset
 from tests.helpers import bench_usage_error, run_python
 
@@ -144,3 +145,13 @@ def test_a_replica_killed_mid_run(tmp_path: Path) -> None:
     expected = reference("step14_8", preset("demo", total_blocks=64), before + after, 4).answers
     assert [t.answer for t in first + second] == [expected[t.chat, t.turn] for t in first + second]
     assert own['vllm_router_retries_total{route="/v1/completions"}'] >= 1, own
+
+
+def test_the_pages_table_is_the_saved_runs() -> None:
+    """docs/scale-out.md's table is what the bench prints for docs/replicas-cpu.json."""
+    root = Path(__file__).resolve().parents[2]
+    saved = json.loads((root / "docs" / "replicas-cpu.json").read_text())
+    printed = table(runs_of(saved), POLICIES, saved["ideal"]["computed"])
+    assert printed in (root / "docs" / "scale-out.md").read_text()
+    assert saved["answers_equal_one_engine"] is True
+    assert saved["settings"]["repeats"] == 3 and len(saved["runs"]) == 9
