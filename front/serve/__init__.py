@@ -14,8 +14,13 @@ API (``python -m <step>.serve --model DIR``; docs/serving.md).
   ``serving_chat.py``: ``/v1/completions`` and ``/v1/chat/completions``, prompt to answer;
 - ``api_server.py``: the FastAPI app, its routes, the HTTP (JSON, server-sent events, a client
   that leaves) and its errors;
-- ``metrics.py``: ``/metrics``, vLLM's metric names.
+- ``metrics.py``: ``/metrics``, vLLM's metric names;
+- ``serving_render.py``: ``/v1/completions/render`` and ``/v1/chat/completions/render``, a
+  prompt's token ids without the run (what a prefix-aware router routes by);
+- ``kv_events_config.py`` and ``kv_events.py``: ``--kv-events-config``, and the engine's KV
+  cache events published from its core as vLLM publishes them (docs/scale-out.md).
 
-Only ``options.py`` and ``cli.py`` import without the ``serve`` extra (fastapi, uvicorn,
-prometheus_client), so that a missing package is one line, not a traceback.
+Only ``options.py``, ``kv_events_config.py`` and ``cli.py`` import without the ``serve``
+extra (fastapi, uvicorn, prometheus_client) and the ``cluster`` one (pyzmq, msgspec), so that a
+missing package is one line, not a traceback.
 """

@@ -348,3 +348,12 @@ def test_a_bad_config_is_one_line_at_the_command_line(
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2
     assert err[-1].startswith("serve: error: argument --kv-events-config: unknown key 'topics'")
+
+
+def test_a_missing_package_is_one_line() -> None:
+    """Without pyzmq or msgspec, ``--kv-events-config`` stops the server before any load."""
+    from common.errors import MissingPackageError
+    from front.serve.cli import require_packages
+
+    with pytest.raises(MissingPackageError, match=r"^--kv-events-config needs no_such_zmq: pip "):
+        require_packages(("no_such_zmq",), "--kv-events-config", "cluster")
