@@ -26,6 +26,7 @@ from front.steps import available_steps
 
 from .cells import SPREAD_FLAG
 from .endpoint import endpoint_url
+from .fleet import POLICIES
 from .options import BenchOptions
 from .progress import Progress
 from .workloads import WORKLOADS
@@ -105,6 +106,17 @@ def request_rate(text: str) -> float:
     return rate
 
 
+def policy_list(text: str) -> tuple[str, ...]:
+    """``--policies``: vllm-router's policies, comma-separated, each once."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    for name in names:
+        if name not in POLICIES:
+            raise argparse.ArgumentTypeError(f"no policy {name!r}; measured: {','.join(POLICIES)}")
+    if not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"name each policy once, e.g. {','.join(POLICIES)}")
+    return names
+
+
 class PerWorkload:
     """A flag's default that depends on ``--workload`` (each workload module's ``DEFAULTS``);
     ``--help`` shows each. A value still of this type after parsing was not given."""
@@ -163,6 +175,15 @@ REQUEST_FLAGS = {
         "serving: also send the requests to an OpenAI-compatible server at URL (python -m "
         "step14_7.serve, vllm serve; start it on the same --model) and time its answers",
     ),
+    "replicas": (positive_int, "N", "replicas: servers of the step behind the router"),
+    "policies": (
+        policy_list,
+        "P,...",
+        "replicas: vllm-router's routing policies, each run in turn (round robin, the tree of "
+        "the routed requests' tokens, the index built from the replicas' KV cache events)",
+    ),
+    "tenants": (positive_int, "N", "replicas: tenants, each a system prompt and two users"),
+    "turns": (positive_int, "N", "replicas: turns of each user's conversation"),
     "model": (
         model_name,
         "PRESET|DIR",

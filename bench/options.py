@@ -25,6 +25,10 @@ class BenchOptions:
     sweep_cached: tuple[int, ...] | None = None
     request_rate: float | None = None
     endpoint: str | None = None  # serving: an OpenAI-compatible server's URL, served too
+    replicas: int | None = None  # replicas: servers behind the router
+    policies: tuple[str, ...] | None = None  # replicas: vllm-router's routing policies
+    tenants: int | None = None  # replicas: system prompts, two users each
+    turns: int | None = None  # replicas: requests per conversation
     # the engine (cli.add_engine_flags)
     block_size: int = 16
     total_blocks: int | None = None  # None: the workload sizes the pool

@@ -17,11 +17,16 @@ API (``python -m <step>.serve --model DIR``; docs/serving.md).
   and ``/detokenize``, prompt to answer; ``answer.py``: one request's choices as they grow
   (their text, stop strings applied, log-probabilities, the usage); ``serving_models.py``:
   the served model and a prompt as it takes it, which both sides name;
+- ``serving_render.py``: ``/v1/completions/render`` and ``/v1/chat/completions/render``, a
+  prompt's token ids without the run (what a prefix-aware router routes by);
 - ``api_server.py``: the FastAPI app, its routes, the HTTP (bodies read and checked, JSON,
   server-sent events, a client that leaves) and its errors; ``limits.py``: a body over
   ``--max-request-bytes`` refused before it is read; ``openapi.py``: the published schema;
-- ``metrics.py``: ``/metrics``, vLLM's metric names.
+- ``metrics.py``: ``/metrics``, vLLM's metric names;
+- ``kv_events_config.py`` and ``kv_events.py``: ``--kv-events-config``, and the engine's KV
+  cache events published from its core as vLLM publishes them (docs/scale-out.md).
 
-Only ``options.py`` and ``cli.py`` import without the ``serve`` extra (fastapi, uvicorn,
-prometheus_client), so that a missing package is one line, not a traceback.
+Only ``options.py``, ``kv_events_config.py`` and ``cli.py`` import without the ``serve``
+extra (fastapi, uvicorn, prometheus_client) and the ``cluster`` one (pyzmq, msgspec), so that a
+missing package is one line, not a traceback.
 """

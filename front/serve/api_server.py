@@ -6,9 +6,11 @@
   open to anyone, as in vLLM, so that a load balancer and Prometheus need no key; they tell
   how the server is, and change nothing;
 - with ``--api-key``, every other route needs it: ``GET /v1/models``, ``POST /v1/completions``
-  (``serving_completion.py``), ``POST /v1/chat/completions`` (``serving_chat.py``),
-  ``POST /tokenize`` and ``/detokenize`` (``serving_tokenization.py``), and
-  ``POST /reset_prefix_cache``, which changes what every later request costs.
+  (``serving_completion.py``), ``POST /v1/chat/completions`` (``serving_chat.py``), their
+  ``/render`` twins, the prompt's token ids without the run (``serving_render.py``: what a
+  prefix-aware router routes by), ``POST /tokenize`` and ``/detokenize``
+  (``serving_tokenization.py``), and ``POST /reset_prefix_cache``, which changes what every
+  later request costs.
 
 The HTTP is here and only here: a body is read (any ``Content-Type``: ``curl -d`` sends a form
 type) and checked against its request model, a handler returns an answer (a dict) or an
@@ -59,6 +61,7 @@ from .responses import (
     ChatCompletionResponse,
     CompletionResponse,
     DetokenizeResponse,
+    GenerateRequest,
     ModelList,
     TokenizeResponse,
 )
@@ -66,6 +69,7 @@ from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
 from .serving_engine import EventStream, OpenAIServing
 from .serving_models import ServedModel
+from .serving_render import OpenAIServingRender
 from .serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("serve")
@@ -173,7 +177,31 @@ def guarded_router(llm: AsyncLLM, served: ServedModel, api_key: str | None) -> A
             )
         return Response(status_code=200)
 
+    add_render_routes(router, OpenAIServingRender(completion, chat), keyed)
     return router
+
+
+def add_render_routes(router: APIRouter, render: OpenAIServingRender, keyed: tuple) -> None:
+    """The generating endpoints' ``/render`` twins: a prompt's token ids without the run,
+    what a prefix-aware router routes by (``serving_render.py``)."""
+
+    @router.post(
+        "/v1/completions/render",
+        **documented(list[GenerateRequest], 400, *keyed, 404, 413,
+                     body=CompletionRequest),
+    )  # fmt: skip
+    async def render_completion(request: Request) -> Any:
+        body = await parse(request, CompletionRequest)
+        return JSONResponse(await render.render_completion(body))
+
+    @router.post(
+        "/v1/chat/completions/render",
+        **documented(GenerateRequest, 400, *keyed, 404, 413,
+                     body=ChatCompletionRequest),
+    )  # fmt: skip
+    async def render_chat(request: Request) -> Any:
+        body = await parse(request, ChatCompletionRequest)
+        return JSONResponse(await render.render_chat(body))
 
 
 def key_check(api_key: str) -> Any:

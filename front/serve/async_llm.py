@@ -127,7 +127,8 @@ class AsyncLLM:
 
     ``make_engine()`` builds the engine where it runs (picklable, for a process of its own);
     ``cfg`` is its model config, what requests are checked against; ``in_thread`` runs the
-    core on a thread of this process instead (``ThreadCore``).
+    core on a thread of this process instead (``ThreadCore``); ``make_publisher()``, when
+    given, builds the publisher of the engine's KV cache events there too (``kv_events.py``).
     """
 
     def __init__(
@@ -136,10 +137,11 @@ class AsyncLLM:
         make_engine: Callable[[], Any],
         in_thread: bool = False,
         on_round: OnRound | None = None,
+        make_publisher: Callable[[], Any] | None = None,
     ) -> None:
         self.cfg = cfg
         core_class = ThreadCore if in_thread else ProcessCore
-        self.core = core_class(make_engine, self._from_core)
+        self.core = core_class(make_engine, self._from_core, make_publisher)
         self.dead: str | None = None  # why the engine failed
         self.pool_problems: list[str] | None = None  # what the stop found (empty: none)
         self._on_round = on_round
@@ -280,13 +282,14 @@ async def build_async_engine_client(
     make_engine: Callable[[], Any],
     in_thread: bool = False,
     on_round: OnRound | None = None,
+    make_publisher: Callable[[], Any] | None = None,
 ) -> AsyncIterator[AsyncLLM]:
     """The engine's whole life, the one way to run an ``AsyncLLM`` (vLLM's
     ``build_async_engine_client``): its core started (the engine built, in a process of its
     own unless ``in_thread``), the client yielded, and on the way out, however the block
     ends, what is in flight aborted and the core stopped. ``client.pool_problems`` then says
     what the engine found wrong with its pool (empty: every block is back)."""
-    client = AsyncLLM(cfg, make_engine, in_thread, on_round)
+    client = AsyncLLM(cfg, make_engine, in_thread, on_round, make_publisher)
     await client.start()
     try:
         yield client

@@ -15,6 +15,7 @@ from ..exits import report_user_errors
 from .options import ServeOptions, parse_args
 
 PACKAGES = ("fastapi", "uvicorn", "prometheus_client")
+EVENT_PACKAGES = ("zmq", "msgspec")  # pyzmq's module is zmq
 
 
 def main(step_name: str, argv: list[str] | None = None) -> int:
@@ -27,14 +28,16 @@ def main(step_name: str, argv: list[str] | None = None) -> int:
 
 def start(step_name: str, options: ServeOptions, prog: str) -> int:
     require_packages()
+    if options.kv_events is not None and options.kv_events.publishes:
+        require_packages(EVENT_PACKAGES, "--kv-events-config", "cluster")
     from .launch import run_server  # imports the packages just checked
 
     return run_server(step_name, options, prog)
 
 
-def require_packages() -> None:
-    missing = [name for name in PACKAGES if importlib.util.find_spec(name) is None]
+def require_packages(
+    packages: tuple[str, ...] = PACKAGES, who: str = "the server", extra: str = "serve"
+) -> None:
+    missing = [name for name in packages if importlib.util.find_spec(name) is None]
     if missing:
-        raise MissingPackageError(
-            f"the server needs {', '.join(missing)}: pip install -e '.[serve]'"
-        )
+        raise MissingPackageError(f"{who} needs {', '.join(missing)}: pip install -e '.[{extra}]'")

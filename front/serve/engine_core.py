@@ -106,8 +106,11 @@ Send = Callable[[Any], None]
 class EngineCore:
     """An engine and the requests in flight in it, driven by messages."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, publisher: Any = None) -> None:
         self.engine = engine
+        # Where the engine's KV cache events go after each round (``kv_events.py``); None: the
+        # engine records none.
+        self.publisher = publisher
         self.keys: dict[int, int] = {}  # engine request id -> the caller's key, in flight
         self.ids: dict[int, int] = {}  # key -> engine request id
         self.stopping = False
@@ -131,6 +134,9 @@ class EngineCore:
                 send(Dead(reason))
                 self.stay_dead(receive, send)
                 problems = [f"the engine failed: {reason}"]
+            finally:
+                if self.publisher is not None:
+                    self.publisher.shutdown()
         send(Stopped(problems))
 
     def take_messages(self, receive: Receive, send: Send, wait: bool) -> None:
@@ -139,6 +145,7 @@ class EngineCore:
         while message is not None:
             self.handle(message, send)
             message = receive(False)
+        self.publish_events()  # an abort or a reset may have changed the cache
 
     def handle(self, message: Any, send: Send) -> None:
         if isinstance(message, AddRequest):
@@ -158,9 +165,19 @@ class EngineCore:
         elif isinstance(message, Stop):
             self.stopping = True
 
+    def publish_events(self) -> None:
+        """The KV cache events since the last call, as one batch, to the publisher (vLLM's
+        scheduler hands its engine core each round's events the same way)."""
+        if self.publisher is not None:
+            events = self.engine.take_events()
+            if events:
+                self.publisher.publish(events)
+
     def round(self) -> RoundOutputs:
         outputs = []
-        for output in self.engine.step():
+        step_outputs = self.engine.step()
+        self.publish_events()  # before the outputs: a client that sees them, the events are out
+        for output in step_outputs:
             key = self.keys.get(output.request_id)
             if key is None:
                 continue
@@ -219,17 +236,26 @@ def pipe_receiver(pipe: Connection, alive: Callable[[], bool]) -> Receive:
 
 class ThreadCore:
     """The loop on a thread of this process; ``send(message)`` to it, ``on_message`` called on
-    the core's thread with each message out. ``make_engine()`` builds the engine at
-    ``start``, on the caller's thread (an error there is raised as it is)."""
+    the core's thread with each message out. ``make_engine()`` (and ``make_publisher()``, the
+    KV events' publisher, when given) build the engine at ``start``, on the caller's thread (an
+    error there is raised as it is)."""
 
-    def __init__(self, make_engine: Callable[[], Any], on_message: Send) -> None:
+    def __init__(
+        self,
+        make_engine: Callable[[], Any],
+        on_message: Send,
+        make_publisher: Callable[[], Any] | None = None,
+    ) -> None:
         self.make_engine = make_engine
+        self.make_publisher = make_publisher
         self.on_message = on_message
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
 
     def start(self) -> None:
-        core = EngineCore(self.make_engine())
+        engine = self.make_engine()
+        publisher = self.make_publisher() if self.make_publisher is not None else None
+        core = EngineCore(engine, publisher)
         receive = queue_receiver(self.inbox)
         self.thread = threading.Thread(
             target=core.run, args=(receive, self.on_message), name="engine", daemon=True
@@ -252,14 +278,23 @@ class ProcessCore:
     thread of this one is copied into it). ``make_engine()`` builds the engine there: a
     module-level function, or a picklable object. Messages are pickled through two pipes,
     one each way; ``on_message`` is called on a reader thread of this process with each one
-    that comes out, and with ``Dead`` if the process ends without saying ``Stopped``."""
+    that comes out, and with ``Dead`` if the process ends without saying ``Stopped``.
+    ``make_publisher()``, when given, builds the KV events' publisher there too (vLLM publishes
+    from its engine core process)."""
 
-    def __init__(self, make_engine: Callable[[], Any], on_message: Send) -> None:
+    def __init__(
+        self,
+        make_engine: Callable[[], Any],
+        on_message: Send,
+        make_publisher: Callable[[], Any] | None = None,
+    ) -> None:
         context = multiprocessing.get_context("spawn")
         self._to_core, core_in = _pipe(context)
         core_out, self._from_core = _pipe(context)
         self.process = context.Process(
-            target=run_process, args=(make_engine, core_in, core_out), name="engine-core"
+            target=run_process,
+            args=(make_engine, core_in, core_out, make_publisher),
+            name="engine-core",
         )
         self._child_ends = (core_in, core_out)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # what the writer thread sends
@@ -337,7 +372,12 @@ class EngineStartError(UserError):
     """The engine process could not build its engine (a checkpoint, the memory): one line."""
 
 
-def run_process(make_engine: Callable[[], Any], inbox: Connection, outbox: Connection) -> None:
+def run_process(
+    make_engine: Callable[[], Any],
+    inbox: Connection,
+    outbox: Connection,
+    make_publisher: Callable[[], Any] | None = None,
+) -> None:
     """The engine process. Ctrl-C and SIGTERM are the server's to handle: it aborts what is
     in flight and sends ``Stop``. A server that dies without one (killed) closes its ends of
     the pipes: this process then ends at once, at the next message it reads or sends (a
@@ -346,6 +386,7 @@ def run_process(make_engine: Callable[[], Any], inbox: Connection, outbox: Conne
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         engine = make_engine()
+        publisher = make_publisher() if make_publisher is not None else None
     except Exception as exc:
         outbox.send(Dead(one_line(exc)))
         return
@@ -359,4 +400,4 @@ def run_process(make_engine: Callable[[], Any], inbox: Connection, outbox: Conne
             raise PipeClosed from None
 
     with contextlib.suppress(PipeClosed):
-        EngineCore(engine).run(pipe_receiver(inbox, alive), send)
+        EngineCore(engine, publisher).run(pipe_receiver(inbox, alive), send)

@@ -21,7 +21,8 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -39,6 +40,7 @@ from ..codec import TextCodec
 from ..exits import end_by_signal
 from .api_server import build_app
 from .async_llm import AsyncLLM, build_async_engine_client
+from .kv_events_config import KVEventsConfig
 from .metrics import Metrics
 from .options import ServeOptions
 from .serving_models import ServedModel
@@ -70,8 +72,11 @@ async def run_server_worker(
     stopped it (None: none did)."""
     cfg, in_thread = builder.source.cfg, options.engine_in_thread
     metrics = Metrics(served.name, cfg.total_blocks)
+    make_engine, make_publisher = with_kv_events(builder, options.kv_events)
     start = time.perf_counter()
-    async with build_async_engine_client(cfg, builder, in_thread, metrics.record) as llm:
+    async with build_async_engine_client(
+        cfg, make_engine, in_thread, metrics.record, make_publisher
+    ) as llm:
         print(f"{prog}: {served.name!r} loaded in {time.perf_counter() - start:.1f} s", flush=True)
         app = build_app(llm, served, metrics, options.api_key, options.max_request_bytes)
         config = uvicorn.Config(
@@ -81,6 +86,18 @@ async def run_server_worker(
         await server.serve(sockets=[listener])
     print(stop_line(prog, server.stopped_by, llm.pool_problems), file=sys.stderr, flush=True)
     return server.stopped_by
+
+
+def with_kv_events(
+    builder: EngineBuilder, config: KVEventsConfig | None
+) -> tuple[Callable[[], Any], Callable[[], Any] | None]:
+    """What builds the engine, and what builds the publisher of its KV cache events (None:
+    events off): picklable both, they run where the engine runs."""
+    if config is None or not config.enable_kv_cache_events:
+        return builder, None
+    from .kv_events import make_publisher  # pyzmq and msgspec: checked by cli.start
+
+    return partial(builder, enable_kv_cache_events=True), partial(make_publisher, config)
 
 
 def stop_line(prog: str, stopped_by: int | None, pool_problems: list[str] | None) -> str:

@@ -17,6 +17,7 @@ from ..cli import (
     int_range,
     positive_int,
 )
+from .kv_events_config import KVEventsConfig, kv_events_config
 
 # A server's requests come and go while others run, so it runs more at once than a batch
 # command (8): vLLM's default is 256 sequences on a pool of tens of thousands of blocks; this
@@ -53,6 +54,7 @@ class ServeOptions:
     engine: EngineOptions
     engine_in_thread: bool = False  # vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0
     max_request_bytes: int = MAX_REQUEST_BYTES
+    kv_events: KVEventsConfig | None = None  # --kv-events-config (None: no events)
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -94,6 +96,16 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "(vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0): one process, but the engine shares Python's "
         "GIL with the HTTP side, slower under load (docs/serving.md)",
     )
+    p.add_argument(
+        "--kv-events-config",
+        type=kv_events_config,
+        metavar="JSON",
+        help="publish the prefix cache's KV events as vLLM does, for a KV-aware router: a JSON "
+        'object of vLLM\'s keys, e.g. \'{"enable_kv_cache_events": true, "endpoint": '
+        '"tcp://*:5557"}\' (enable_kv_cache_events, publisher, endpoint, replay_endpoint, '
+        "topic, buffer_steps, hwm, max_queue_size; docs/scale-out.md); needs pip install -e "
+        "'.[cluster]'",
+    )
     return p
 
 
@@ -108,4 +120,5 @@ def parse_args(prog: str, argv: list[str] | None) -> ServeOptions:
         EngineOptions.from_args(args),
         args.engine_in_thread,
         args.max_request_bytes,
+        args.kv_events_config,
     )

@@ -202,6 +202,15 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class GenerateRequest(BaseModel):
+    """A prompt rendered (``/render``): what the engine would be given, vLLM's fields that
+    this server fills."""
+
+    request_id: str
+    token_ids: list[int]
+    model: str
+
+
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int | None

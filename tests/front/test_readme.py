@@ -80,7 +80,7 @@ def shown_commands(text: str) -> list[str]:
     ``\\`` continuation lines joined and their ``  # comment`` dropped."""
     commands, lines = [], text.splitlines()
     for i, line in enumerate(lines):
-        if not re.match(r"^    (python|pip|source|diff|\.venv)\b", line):
+        if not re.match(r"^    (python|pip|source|diff|vllm-router|\.venv)\b", line):
             continue
         command = line.strip()
         while command.endswith("\\") and i + 1 < len(lines):
@@ -224,6 +224,28 @@ def test_flags_in_the_pages_exist() -> None:
     assert "--list" in shown["tools/mutants.py"], "docs/testing.md shows the mutation check"
     for module, flags in shown.items():
         assert flags <= known_flags(module), (module, flags - known_flags(module))
+
+
+def test_the_router_commands_and_event_configs_exist() -> None:
+    """docs/scale-out.md's ``vllm-router`` commands use flags and policies the installed router
+    has, and every ``--kv-events-config`` a page gives is one the server takes."""
+    from front.serve.kv_events_config import kv_events_config
+
+    commands = [shlex.split(command) for _, command in all_commands()]
+    configs = [w[i + 1] for w in commands for i, a in enumerate(w) if a == "--kv-events-config"]
+    assert configs and all(kv_events_config(config).publishes for config in configs)
+    routers = [words for words in commands if words[0] == "vllm-router"]
+    assert {w[w.index("--policy") + 1] for w in routers} == {"cache_aware", "kv_aware"}
+    if importlib.util.find_spec("vllm_router") is None:
+        pytest.skip("vllm-router is not installed: pip install -e '.[cluster]'")
+    from bench.fleet import router_path
+
+    help_text = subprocess.run(
+        [router_path(), "--help"], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    for words in routers:
+        flags = {w for w in words if w.startswith("--")}
+        assert flags <= set(re.findall(r"--[a-z][a-z0-9-]*", help_text)), words
 
 
 def test_the_profile_a_step_readme_shows_comes_from_its_command() -> None:
