@@ -9,7 +9,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from ..cli import EngineOptions, HelpFormatter, add_engine_flags, add_model_flag, int_range
+from ..cli import (
+    EngineOptions,
+    HelpFormatter,
+    add_engine_flags,
+    add_model_flag,
+    int_range,
+    refuse_step_options,
+)
 
 DESCRIPTION = """\
 An OpenAI-compatible server (vLLM's endpoints and metric names) over this step's engine. The
@@ -67,8 +74,10 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(prog: str, argv: list[str] | None) -> ServeOptions:
-    args = build_parser(prog).parse_args(argv)
+def parse_args(prog: str, argv: list[str] | None, step_name: str) -> ServeOptions:
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    refuse_step_options(parser, step_name, args)
     return ServeOptions(
         args.model,
         args.host,

@@ -337,4 +337,4 @@ def test_a_shared_prefix_workload_reads_the_prefix_once_per_round(
             assert slots == cascade_reads(CFG, SHARED, chunks, starts), i
         else:
             assert slots == whole_context_reads(CFG, chunks, starts), i
-    assert sum(len(chunks) >= 4 for chunks, _, _ in rounds[1:]) >= 4
+    assert sum(len(chunks) >= 4 for chunks, _, _ in rounds[1:]) >= 3  # the 3 decode rounds
