@@ -30,7 +30,7 @@ FIXES: dict[str, tuple[tuple[str, ...], str]] = {
         "cascade attention: the shared prefix read once per round",
     ),
     "step14_9": (
-        ("engine.py",),
+        ("engine.py", "model.py"),
         "prefill in chunks of many blocks under a per-round token budget",
     ),
 }

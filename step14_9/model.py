@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -81,25 +82,54 @@ class TinyTransformerPaged(CausalLM):
         (``FlatBatch``). Returns ``[num_seqs, vocab]``: only the last token of a chunk is ever
         sampled, so only those rows go through the final norm and ``lm_head``.
 
+        A padded grid has a row per token of the round's longest chunk: a long prefill chunk
+        would pad every decode row to its length. So chunks longer than a block attend on grids
+        of their own, by length (``chunk_groups``), beside the grid of the rest; the flat batch
+        holds the groups one after another, and the logits come back in the callers' order.
+
         ``num_shared_blocks``: the leading blocks every table holds, before every chunk (the
         engine counts them): attention reads them once for all (``_cascade_attention``).
         """
         for table, start, chunk in zip(block_tables, start_positions, chunks):
             self._check_block_table(table, start + len(chunk))
         self._check_shared_blocks(block_tables, start_positions, num_shared_blocks)
-        batch = FlatBatch.build(
-            chunks, block_tables, start_positions, self.cfg, self.device, num_shared_blocks
-        )
-        cos, sin = rope_cos_sin(batch.positions, self.cfg)
-        x = self.model.embed_tokens(batch.token_ids)
-        attend = self._padded_attention if batch.shared_rows is None else self._cascade_attention
+        groups = chunk_groups([len(chunk) for chunk in chunks], self.cfg.block_size)
+        batches = [
+            FlatBatch.build(
+                [chunks[i] for i in group],
+                [block_tables[i] for i in group],
+                [start_positions[i] for i in group],
+                self.cfg,
+                self.device,
+                num_shared_blocks,
+            )
+            for group in groups
+        ]
+        ends = list(itertools.accumulate(len(batch.token_ids) for batch in batches))
+        spans = list(zip([0, *ends[:-1]], ends))
+        cos, sin = rope_cos_sin(joined(b.positions for b in batches), self.cfg)
+        x = self.model.embed_tokens(joined(b.token_ids for b in batches))
+        slot_mapping = joined(b.slot_mapping for b in batches)
         for layer_idx, layer in enumerate(self.model.layers):
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
-            self._write_kv(layer_idx, k, v, batch.slot_mapping)  # one scatter for the whole batch
-            attn = attend(layer_idx, q, batch)
+            self._write_kv(layer_idx, k, v, slot_mapping)  # one scatter for the whole batch
+            attn = joined(
+                self._attend(layer_idx, q[lo:hi], batch) for batch, (lo, hi) in zip(batches, spans)
+            )
             x = x + layer.self_attn.o_proj(attn.flatten(1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.lm_head(self.model.norm(x[batch.last_rows]))
+        last_rows = joined(b.last_rows + lo for b, (lo, _) in zip(batches, spans))
+        logits = self.lm_head(self.model.norm(x[last_rows]))
+        if len(groups) == 1:
+            return logits
+        order = torch.tensor([i for group in groups for i in group], device=logits.device)
+        return torch.empty_like(logits).index_copy_(0, order, logits)  # the callers' order
+
+    def _attend(self, layer_idx: int, q: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
+        """One grid's attention: cascaded when ``batch`` reads a shared prefix once."""
+        if batch.shared_rows is None:
+            return self._padded_attention(layer_idx, q, batch)
+        return self._cascade_attention(layer_idx, q, batch)
 
     def _padded_attention(self, layer_idx: int, q: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
         """Every sequence's attention in one ``scaled_dot_product_attention`` call, on the
@@ -315,6 +345,25 @@ class FlatBatch:
             shared_rows=shared_rows,
             own_rows=own_rows,
         )
+
+
+def chunk_groups(lengths: list[int], block_size: int) -> list[list[int]]:
+    """The round's sequences (by index, each group in the round's order) that share an
+    attention grid: chunks of up to a block (decode rows, step14_8's chunks) on one grid, and
+    longer chunks by length, each group within twice its shortest, so that a grid's padding
+    stays below its real rows. A round of decode rows and block chunks is one group."""
+
+    def group(n: int) -> int:
+        return 0 if n <= block_size else (cdiv(n, block_size) - 1).bit_length()
+
+    keys = [group(n) for n in lengths]
+    return [[i for i, key in enumerate(keys) if key == k] for k in sorted(set(keys))]
+
+
+def joined(parts: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The parts one after another (the only part itself, not a copy)."""
+    parts = list(parts)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def padded(block_tables: list[list[int]], num_blocks: int) -> list[list[int]]:

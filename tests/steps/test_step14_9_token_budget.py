@@ -9,8 +9,9 @@ it, else the whole blocks it has room for. The specification: a chunk ends on a 
 unless it ends the prompt; a round never computes more than the budget, and never leaves a
 decoding sequence out; a sequence admitted later in a round adopts the blocks an earlier chunk
 of the same round registered, so every shared block is still computed once; the tokens are the
-dense reference's and every figure but the rounds' is step14_8's; a budget the engine cannot
-work with is refused by name. Before the fix, every chunk is one block.
+dense reference's and every figure but the rounds' is step14_8's; a long chunk attends on a
+grid of its own, so the round's decode rows are not padded to its length; a budget the engine
+cannot work with is refused by name. Before the fix, every chunk is one block.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dataclasses import asdict
 from types import ModuleType
 
 import pytest
+import torch
+from torch.overrides import TorchFunctionMode
 
 from common.observer import RoundObserver
 from common.status import SequenceStatus
@@ -114,6 +117,43 @@ def test_the_model_sees_a_long_chunk_in_one_call(step: ModuleType, make_engine) 
         assert rows == [[16 * BS], [1]]
     else:
         assert rows == [[BS]] * 16 + [[1]]
+
+
+class AttentionRows(TorchFunctionMode):
+    """The query rows handed to ``scaled_dot_product_attention`` while active, padding
+    included (per K/V head: grid sequences x query rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") == "scaled_dot_product_attention":
+            self.rows += args[0].shape[0] * args[0].shape[2]
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_long_chunk_does_not_pad_the_decode_rows(step: ModuleType) -> None:
+    """A round of an 8-block chunk and three decode rows: up to step14_8 one padded grid, each
+    decode row padded to the chunk's 32 rows (4 x 32 per layer); from step14_9 on the long
+    chunk attends on a grid of its own (32 + 3). The logits are those of one ``forward`` per
+    sequence, in the round's order."""
+    requires_fix(step, "step14_7")
+    histories = [tokens(940 + i, n) for i, n in enumerate((0, 5, 9, 2))]
+    chunks = [tokens(950, 8 * BS), [7], [8], [9]]
+    tables = [list(range(i * 10, i * 10 + 10)) for i in range(4)]
+    batched, serial = step.TinyTransformerPaged(CFG), step.TinyTransformerPaged(CFG)
+    for model in (batched, serial):
+        for history, table in zip(histories, tables):
+            if history:
+                model(history, table, 0)
+    starts = [len(h) for h in histories]
+    with AttentionRows() as counted:
+        got = batched.forward_batched(chunks, tables, starts)
+    want = torch.stack([serial(c, t, s)[-1] for c, t, s in zip(chunks, tables, starts)])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    per_layer = 8 * BS + 3 if has_fix(step, "step14_9") else 4 * 8 * BS
+    assert counted.rows == CFG.num_layers * per_layer
 
 
 def test_before_step14_9_the_engine_takes_no_budget(step: ModuleType) -> None:
