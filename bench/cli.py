@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from common.config import PRESETS
 from front.cli import (
@@ -265,11 +266,25 @@ def read_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> B
             "--dtype auto needs --model DIR: it means the dtype the checkpoint is stored in"
         )
     options = BenchOptions(**values)
+    refuse_step_options(parser, options)
     try:
         workload.check(options)
     except ValueError as exc:
         parser.error(str(exc))
     return options
+
+
+def refuse_step_options(parser: argparse.ArgumentParser, options: BenchOptions) -> None:
+    """An engine flag that only later steps take (``--max-num-batched-tokens``) goes to the
+    steps of ``--steps`` that take it; when none does, or its value is one the engine refuses
+    (with the workload's ``max_running``), it is one ``error:`` line."""
+    running = options.max_running or options.requests or 1
+    engine = replace(options.engine_options(), max_running=running)
+    not_taken = [engine.not_taken_by(step) for step in options.steps]
+    if all(not_taken):
+        parser.error(f"{not_taken[-1]} (--steps {','.join(options.steps)})")
+    if engine.budget_refused():
+        parser.error(engine.budget_refused())
 
 
 def refuse_unread(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

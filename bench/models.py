@@ -3,7 +3,7 @@ machine's memory before anything is read, and one step's model built on them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -73,6 +73,8 @@ class StepModel:
 
     step: ModuleType
     model: torch.nn.Module
+    # what only this step's engine takes, from the flags (step14_9's max_num_batched_tokens)
+    engine_args: dict[str, object] = field(default_factory=dict)
 
     @property
     def cfg(self) -> ModelConfig:
@@ -80,10 +82,14 @@ class StepModel:
 
     def engine(self, **kwargs: object):
         """A fresh ``PagedPrefixCacheEngine`` on this model (``max_running``, ...)."""
-        return self.step.PagedPrefixCacheEngine(self.model, **kwargs)
+        return self.step.PagedPrefixCacheEngine(self.model, **self.engine_args, **kwargs)
 
 
-def load_step_model(name: str, cfg: ModelConfig, weights: Weights | None = None) -> StepModel:
-    """Step ``name``'s model of ``cfg``: seeded weights, or ``weights``, shared, not copied."""
+def load_step_model(
+    name: str, cfg: ModelConfig, weights: Weights | None = None, options: BenchOptions | None = None
+) -> StepModel:
+    """Step ``name``'s model of ``cfg``: seeded weights, or ``weights``, shared, not copied;
+    its engines take the engine flags of ``options`` that only some steps' engines take."""
     step = load_step(name)
-    return StepModel(step, ModelSource(name, cfg).build_model(step, weights))
+    args = options.engine_options().step_engine_args(name) if options is not None else {}
+    return StepModel(step, ModelSource(name, cfg).build_model(step, weights), args)

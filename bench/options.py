@@ -36,6 +36,7 @@ class BenchOptions:
     dtype: str = "float32"
     threads: int = 1  # torch's (and every peer's) CPU threads; 0: one per core
     no_memory_check: bool = False
+    max_num_batched_tokens: int | None = None  # step14_9 on; None: the engine's default
     # what else runs, and how it is shown
     no_hf: bool = False
     no_ctranslate2: bool = False
@@ -52,6 +53,7 @@ class BenchOptions:
             total_blocks=self.total_blocks,
             threads=self.threads,
             no_memory_check=self.no_memory_check,
+            max_num_batched_tokens=self.max_num_batched_tokens,
         )
 
     def running(self, requests: int) -> int:

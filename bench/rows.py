@@ -259,7 +259,8 @@ class BatchRun:
         rows: list[Row] = []
         for name in self.options.steps:
             with self.progress.task(f"{name}: building the model"):
-                runner = BatchRunner(load_step_model(name, self.cfg, self.weights))
+                model = load_step_model(name, self.cfg, self.weights, self.options)
+                runner = BatchRunner(model)
             run = functools.partial(runner.run, self.prompts, workload)
             live = runner.computed_so_far
             rows.append(self.timed(name, FIXES[name][1], run, warmup=not rows, live=live))

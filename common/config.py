@@ -191,6 +191,23 @@ PRESETS: dict[str, ModelConfig] = {
         block_size=16,
         total_blocks=1024,
     ),
+    # A real size: the shapes of SmolLM2-135M (HuggingFaceTB/SmolLM2-135M's config.json), with
+    # seeded random weights, so that python -m bench --model smollm2-135m shows the steps where
+    # a user's model lives, with nothing downloaded (its text needs the real checkpoint).
+    "smollm2-135m": ModelConfig(
+        vocab_size=49152,
+        d_model=576,
+        num_heads=9,
+        num_kv_heads=3,
+        num_layers=30,
+        d_ff=1536,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        block_size=16,
+        total_blocks=1024,
+        max_position_embeddings=8192,
+    ),
 }
 
 

@@ -91,6 +91,21 @@ def check_fits_pool(prompt_len: int, max_new_tokens: int, cfg: ModelConfig) -> N
     )
 
 
+def check_token_budget(max_num_batched_tokens: object, block_size: int, max_running: int) -> int:
+    """A round's token budget (step14_9's ``max_num_batched_tokens``, vLLM's name): an int that
+    holds a block of prefill beside a decode token of every other running request, since a
+    prefill chunk is whole blocks (vLLM's need not be; it asks for at least ``max_num_seqs``).
+    Returns it; ``ValueError`` naming the field otherwise."""
+    least = block_size + max_running - 1
+    if not is_int(max_num_batched_tokens) or max_num_batched_tokens < least:
+        raise ValueError(
+            f"max_num_batched_tokens must be an int >= block_size + max_running - 1 = {least} "
+            f"(a block of prefill beside every other running request's decode token), got "
+            f"{max_num_batched_tokens!r}"
+        )
+    return int(max_num_batched_tokens)
+
+
 def as_sampling_params(max_new_tokens: object, sampling_params: object) -> SamplingParams:
     """The request's ``SamplingParams``: the one given, or greedy decoding of
     ``max_new_tokens`` tokens (the chapter's API); one of them, and not both, since they could

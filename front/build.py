@@ -88,11 +88,18 @@ class EngineBuilder:
 
     def __call__(self, model: torch.nn.Module | None = None, **engine_args: Any) -> Any:
         """The step's engine on ``model`` (None: built now from the source), with the options'
-        ``max_running`` and ``seed``; ``engine_args`` adds others (``enable_prefix_cache``)."""
+        ``max_running``, ``seed`` and those only later steps take (a ``UserError`` if this
+        step's engine does not); ``engine_args`` adds others (``enable_prefix_cache``)."""
+        self.options.check_step(self.step_name)
         self.options.set_threads()
         step = load_step(self.step_name)
         if model is None:
             model = self.source.build_model(step)
+        options = self.options
         return step.PagedPrefixCacheEngine(
-            model, max_running=self.options.max_running, seed=self.options.seed, **engine_args
+            model,
+            max_running=options.max_running,
+            seed=options.seed,
+            **options.step_engine_args(self.step_name),
+            **engine_args,
         )

@@ -27,7 +27,11 @@ import torch
 
 from common.checkpoint import CONFIG_FILE
 from common.config import DTYPES
+from common.errors import UserError
+from common.inputs import check_token_budget
 from common.memory import SKIP_ENV
+
+from .steps import has_fix
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -241,6 +245,8 @@ class EngineOptions:
     seed: int = 0
     max_model_len: int | None = None  # None: a checkpoint's max_position_embeddings
     no_memory_check: bool = False
+    # Taken by the engines of step14_9 on (``STEP_OPTIONS``); None: the engine's own default.
+    max_num_batched_tokens: int | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineOptions:
@@ -259,9 +265,54 @@ class EngineOptions:
         if self.threads:
             torch.set_num_threads(self.threads)
 
+    def step_engine_args(self, step_name: str) -> dict[str, object]:
+        """The options given that only later steps' engines take (``STEP_OPTIONS``), those that
+        ``step_name``'s engine takes: keyword arguments for it, beside ``max_running``."""
+        return {
+            name: getattr(self, name)
+            for name, first in STEP_OPTIONS.items()
+            if getattr(self, name) is not None and has_fix(step_name, first)
+        }
+
+    def refused_by(self, step_name: str) -> str | None:
+        """Why ``step_name``'s engine would refuse the options given (None: it takes them). A
+        command says it in one line, before anything loads."""
+        return self.not_taken_by(step_name) or self.budget_refused()
+
+    def not_taken_by(self, step_name: str) -> str | None:
+        """The first option given that only later steps' engines take (``STEP_OPTIONS``)."""
+        for name, first in STEP_OPTIONS.items():
+            if getattr(self, name) is not None and not has_fix(step_name, first):
+                return f"{flag_of(name)} needs {first} or later: {step_name}'s engine has no {name}"
+        return None
+
+    def budget_refused(self) -> str | None:
+        """A token budget too small for ``block_size`` and ``max_running`` (the core's rule)."""
+        if self.max_num_batched_tokens is None:
+            return None
+        try:
+            check_token_budget(self.max_num_batched_tokens, self.block_size, self.max_running)
+        except ValueError as exc:
+            return f"--max-num-batched-tokens: {exc}"
+        return None
+
+    def check_step(self, step_name: str) -> None:
+        """``UserError`` when ``step_name``'s engine would refuse the options given."""
+        why = self.refused_by(step_name)
+        if why is not None:
+            raise UserError(why)
+
 
 # The engine options that shape the model, rather than the engine that serves it.
 MODEL_OPTIONS = ("device", "dtype", "block_size", "total_blocks", "max_model_len")
+# The engine options that only the engines of later steps take, and the first step that does.
+# Every command has their flags; one given to an earlier step's command is refused by name
+# (``EngineOptions.not_taken_by``), and the bench passes it to the steps that take it.
+STEP_OPTIONS = {"max_num_batched_tokens": "step14_9"}
+
+
+def flag_of(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
 
 
 ENGINE_FLAGS: dict[str, tuple[Callable[[str], object], str, str]] = {
@@ -288,7 +339,23 @@ ENGINE_FLAGS: dict[str, tuple[Callable[[str], object], str, str]] = {
         "the longest request, prompt + new tokens; default: a checkpoint's "
         "max_position_embeddings (more runs the model on positions it never saw)",
     ),
+    "max_num_batched_tokens": (
+        positive_int,
+        "N",
+        "step14_9 on: the tokens a round computes at most, one per decoding request first, "
+        "then prefill chunks of whole blocks (vLLM's flag); default: the engine's, 512",
+    ),
 }
+
+
+def refuse_step_options(
+    parser: argparse.ArgumentParser, step_name: str, args: argparse.Namespace
+) -> None:
+    """An engine flag that ``step_name``'s engine does not take (``--max-num-batched-tokens``
+    before step14_9) is one ``error:`` line, before anything loads."""
+    why = EngineOptions.from_args(args).refused_by(step_name)
+    if why is not None:
+        parser.error(why)
 
 
 def add_engine_flags(
@@ -310,7 +377,7 @@ def add_engine_flags(
             add_memory_check_flag(parser)
         else:
             kind, metavar, text = ENGINE_FLAGS[dest]
-            flag = "--" + dest.replace("_", "-")
+            flag = flag_of(dest)
             default = defaults.get(dest, getattr(base, dest))
             text = (helps or {}).get(dest, text)
             parser.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)

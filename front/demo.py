@@ -7,6 +7,7 @@ differ. ``DESCRIPTION`` (its ``--help``) says what it does; the trace it prints 
 from __future__ import annotations
 
 import argparse
+import functools
 import textwrap
 import time
 from collections.abc import Callable
@@ -203,7 +204,7 @@ def what_the_numbers_mean(cold: EngineStats, hot: EngineStats, off: EngineStats)
     if off.computed_decode_tokens:
         text += (
             f" Decode is the same {off.computed_decode_tokens} tokens in every round, one model "
-            f"call per token (prefill computes a whole block per call), so it bounds how much "
+            f"call per token (prefill computes a block or more per call), so it bounds how much "
             f"faster a hot round can be; the saving grows with the shared prefix "
             f"(python -m bench)."
         )
@@ -227,6 +228,14 @@ def what_preemption_cost(roomy: EngineStats, small: EngineStats) -> str:
         f"came back from the cache when the preempted requests resumed."
     )
     return "\n" + textwrap.fill(text, width=100)
+
+
+def engine_class(step: ModuleType, options: DemoOptions) -> Callable[..., Any]:
+    """The step's engine, with the engine flags that only later steps take (step14_9's
+    ``--max-num-batched-tokens``) when given."""
+    return functools.partial(
+        step.PagedPrefixCacheEngine, **options.engine.step_engine_args(step.__name__)
+    )
 
 
 def warm_up(step: ModuleType, model: torch.nn.Module, prompt: list[int]) -> None:
@@ -280,7 +289,7 @@ def run_rounds(
     step: ModuleType, cfg: ModelConfig, prompts: list[list[int]], options: DemoOptions
 ) -> DemoRounds:
     """The chapter's rounds, each printed as it ends, then the dense reference's tokens."""
-    n_new, engine_cls = options.max_new_tokens, step.PagedPrefixCacheEngine
+    n_new, engine_cls = options.max_new_tokens, engine_class(step, options)
     max_running = options.engine.max_running
     with torch.inference_mode():
         model = step.TinyTransformerPaged(cfg)
@@ -290,7 +299,7 @@ def run_rounds(
         cold = timed_round("Round 1 (cold cache), serial", engine, serial, prompts, n_new)
         hot = timed_round("Round 2 (hot cache), serial", engine, serial, prompts, n_new)
         hot.problems = engine.ref_count_problems()
-        off_engine = engine_cls(model, enable_prefix_cache=False)
+        off_engine = engine_cls(model, max_running=max_running, enable_prefix_cache=False)
         off_run = off_engine.generate_serial
         off = timed_round("Round 3 (cache off), serial", off_engine, off_run, prompts, n_new)
         batched = engine_cls(model, max_running=max_running)
@@ -319,7 +328,7 @@ def small_pool_round(
     cfg = small_pool_config(model.cfg, options.max_new_tokens)
     small = step.TinyTransformerPaged(cfg)
     small.load_state_dict(model.state_dict())  # the same weights, a smaller KV pool
-    engine = step.PagedPrefixCacheEngine(small, max_running=options.engine.max_running)
+    engine = engine_class(step, options)(small, max_running=options.engine.max_running)
     label = f"Batched, {cfg.total_blocks}-block pool"
     small = timed_round(label, engine, engine.generate, prompts, options.max_new_tokens)
     s = small.stats
@@ -388,7 +397,7 @@ def traced_round(step: ModuleType, cfg: ModelConfig, options: DemoOptions) -> li
         cfg = small_pool_config(cfg, options.max_new_tokens)
     prompts = demo_prompts(cfg.vocab_size, cfg.block_size)
     with torch.inference_mode():
-        engine = step.PagedPrefixCacheEngine(
+        engine = engine_class(step, options)(
             step.TinyTransformerPaged(cfg), max_running=options.engine.max_running
         )
         tracer = RoundTracer(engine)

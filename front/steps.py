@@ -6,7 +6,7 @@ import importlib
 import importlib.util
 from types import ModuleType
 
-STEPS = ["step14"] + [f"step14_{i}" for i in range(1, 9)]
+STEPS = ["step14"] + [f"step14_{i}" for i in range(1, 10)]
 
 # What each step changes against the one before: (files, one-line summary).
 FIXES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -29,7 +29,17 @@ FIXES: dict[str, tuple[tuple[str, ...], str]] = {
         ("model.py", "engine.py", "kv_cache_manager.py"),
         "cascade attention: the shared prefix read once per round",
     ),
+    "step14_9": (
+        ("engine.py", "model.py"),
+        "prefill in chunks of many blocks under a per-round token budget",
+    ),
 }
+
+
+def has_fix(step_name: str, fix_step: str) -> bool:
+    """Does ``step_name`` hold ``fix_step``'s fix? Steps are cumulative: every step from
+    ``fix_step`` on does."""
+    return STEPS.index(step_name) >= STEPS.index(fix_step)
 
 
 def available_steps() -> list[str]:

@@ -35,7 +35,8 @@ def step(request: pytest.FixtureRequest) -> ModuleType:
 
 @pytest.fixture
 def make_engine(step: ModuleType) -> Iterator[EngineFactory]:
-    """``make_engine(cfg=None, max_running=4, enable_prefix_cache=True)`` for this test's step.
+    """``make_engine(cfg=None, max_running=4, enable_prefix_cache=True, **engine_args)`` for
+    this test's step (``engine_args``: what only some steps take, ``budget_args``).
 
     After the test, every engine it made that is at rest must have no leaked block: each block
     free (ref_count 0) or held by the cache alone (ref_count 1), free + cached = total. An engine
@@ -44,11 +45,14 @@ def make_engine(step: ModuleType) -> Iterator[EngineFactory]:
     engines = []
 
     def factory(
-        cfg: ModelConfig | None = None, max_running: int = 4, enable_prefix_cache: bool = True
+        cfg: ModelConfig | None = None,
+        max_running: int = 4,
+        enable_prefix_cache: bool = True,
+        **engine_args: object,
     ):
         model = step.TinyTransformerPaged(cfg or tiny_config())
         engine = step.PagedPrefixCacheEngine(
-            model, max_running=max_running, enable_prefix_cache=enable_prefix_cache
+            model, max_running=max_running, enable_prefix_cache=enable_prefix_cache, **engine_args
         )
         guard_against_hangs(engine)
         engines.append(engine)

@@ -5,6 +5,8 @@
 - the test model and the oracle: ``tiny_config``, ``reference_tokens``, ``reference_model``;
 - requests: ``tokens``, ``random_shared_prefix_prompts``, ``blocks_needed``,
   ``life_in_rounds``, ``truncate_at``;
+- the round's token budget (step14_9): ``prefill_chunk``, ``budget_args``, ``ROUND_FIGURES``,
+  ``same_work_figures``;
 - driving an engine: ``run_rounds``, ``log_schedules``, ``guard_against_hangs``,
   ``assert_engine_matches_reference``;
 - a step's files as they are on disk: ``step_files``, ``function_tree``, ``python_loops``;
@@ -97,11 +99,49 @@ def blocks_needed(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
 
 
 def life_in_rounds(
-    prompt_len: int, max_new: int, cached_blocks: int = 0, block_size: int = TINY.block_size
+    prompt_len: int,
+    max_new: int,
+    cached_blocks: int = 0,
+    block_size: int = TINY.block_size,
+    chunk: int | None = None,
 ) -> int:
-    """Rounds a request runs once admitted: one per prefill chunk (the cached blocks need
-    none), then one per decode token (the first comes out of the last prefill chunk)."""
-    return cdiv(prompt_len - cached_blocks * block_size, block_size) + max_new - 1
+    """Rounds a request runs once admitted: one per prefill chunk of ``chunk`` tokens (None: a
+    block; ``prefill_chunk`` says an engine's) while the cached blocks need none, then one per
+    decode token (the first comes out of the last prefill chunk)."""
+    return cdiv(prompt_len - cached_blocks * block_size, chunk or block_size) + max_new - 1
+
+
+def prefill_chunk(engine: object) -> int:
+    """The prompt tokens a request prefills in a round that is its own: one block, the
+    chapter's chunk, before step14_9; from it on, the whole blocks of the engine's token budget
+    (``max_num_batched_tokens``)."""
+    block_size = engine.model.cfg.block_size
+    if not has_fix(type(engine).__module__.partition(".")[0], "step14_9"):
+        return block_size
+    return engine.max_num_batched_tokens // block_size * block_size
+
+
+def budget_args(step: ModuleType | str, max_num_batched_tokens: int) -> dict[str, int]:
+    """The engine argument that sets the round's token budget, for the steps that have one
+    (step14_9 on); nothing for the others."""
+    if not has_fix(step, "step14_9"):
+        return {}
+    return {"max_num_batched_tokens": max_num_batched_tokens}
+
+
+# EngineStats' figures that say how the work was cut into rounds, not what it was. From step14_9
+# on, a prompt prefills in chunks of many blocks: a request lives fewer rounds, and of requests
+# that start together behind one prefix the first computes it all, instead of adopting the
+# blocks that the others computed while it computed block 0 (then it counted as a hit).
+ROUND_FIGURES = ("rounds", "seqs_scheduled", "requests_hit")
+
+
+def same_work_figures(stats: dict[str, int], step: ModuleType | str) -> dict[str, int]:
+    """``stats`` (``asdict(EngineStats)``) without ``ROUND_FIGURES`` from step14_9 on: what
+    every step must report alike, for comparison with step14's figures."""
+    if not has_fix(step, "step14_9"):
+        return dict(stats)
+    return {name: value for name, value in stats.items() if name not in ROUND_FIGURES}
 
 
 def truncate_at(output: list[int], eos: int) -> list[int]:

@@ -214,7 +214,8 @@ def run_sweeps(cfg, workload: ScaleWorkload, options: BenchOptions, progress: Pr
             p = cell.setting
             with progress.task(f"{cell.name}: {p.sweep} {p.size:,}, run {repeat + 1}"):
                 pool = workload.pool_blocks(p.sweep, p.size, cfg.block_size)
-                model = load_step_model(cell.name, cfg.replace(total_blocks=pool))
+                cfg_here = cfg.replace(total_blocks=pool)
+                model = load_step_model(cell.name, cfg_here, options=options)
                 cell.runs.append(run_once(model, p, prompts[: p.requests], workload))
                 del model  # its KV pool: one at a time
     return cells

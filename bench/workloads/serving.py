@@ -202,13 +202,12 @@ def run_cells(cfg, weights, workload: ServingWorkload, options: BenchOptions, pr
     costs (thread pools, the allocator growing) that no later run pays."""
     requests, cells = workload.timed_requests(cfg.vocab_size), plan(options.steps, workload)
     with progress.task(f"{cells[0].name}: warm-up run (untimed)"):
-        engine_serve(load_step_model(cells[0].setting.step, cfg, weights), cells[0].setting)(
-            requests
-        )
+        first = load_step_model(cells[0].setting.step, cfg, weights, options)
+        engine_serve(first, cells[0].setting)(requests)
     for repeat in range(options.repeats):
         for step in options.steps:
             with progress.task(f"{step}: building the model"):
-                model = load_step_model(step, cfg, weights)
+                model = load_step_model(step, cfg, weights, options)
             for cell in (c for c in cells if c.setting.step == step):
                 label = f"{cell.name}, prefix cache {cell.setting.cache}: run {repeat + 1}"
                 with progress.task(label):

@@ -22,7 +22,7 @@ def main(step_name: str, argv: list[str] | None = None) -> int:
     """The server, until Ctrl-C or SIGTERM. A problem with what was given is one ``error:``
     line and status 1."""
     prog = f"python -m {step_name}.serve"
-    options = parse_args(prog, argv)
+    options = parse_args(prog, argv, step_name)
     return report_user_errors(prog, lambda: start(step_name, options, prog))
 
 

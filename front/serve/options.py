@@ -16,6 +16,7 @@ from ..cli import (
     add_model_flag,
     int_range,
     positive_int,
+    refuse_step_options,
 )
 from .kv_events_config import KVEventsConfig, kv_events_config
 
@@ -109,8 +110,10 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(prog: str, argv: list[str] | None) -> ServeOptions:
-    args = build_parser(prog).parse_args(argv)
+def parse_args(prog: str, argv: list[str] | None, step_name: str) -> ServeOptions:
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    refuse_step_options(parser, step_name, args)
     return ServeOptions(
         args.model,
         args.host,

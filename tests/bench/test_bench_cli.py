@@ -71,6 +71,15 @@ BENCH_ERRORS = [
     (["--device", "mps"], "argument --device: 'mps': only cpu and cuda are supported"),
     (["--requests"], "argument --requests: expected one argument"),
     (["--bogus"], "unrecognized arguments: --bogus"),
+    (
+        ["--steps", "step14_7,step14_8", "--max-num-batched-tokens", "64"],
+        "--max-num-batched-tokens needs step14_9 or later: step14_8's engine has no "
+        "max_num_batched_tokens (--steps step14_7,step14_8)",
+    ),
+    (
+        ["--steps", "step14_8,step14_9", "--max-num-batched-tokens", "30"],
+        "block_size + max_running - 1 = 31",  # 16 requests at once, blocks of 16
+    ),
 ]
 
 
@@ -450,6 +459,18 @@ def test_a_tiny_subset_runs_end_to_end(tmp_path: Path, capsys) -> None:
     assert "max_running=2" in out  # --max-running 0: every request at once
     assert re.search(r"^time: steps \d+\.\d s, .*reference check \d+\.\d s$", out, re.MULTILINE)
     assert json.loads((tmp_path / "results.json").read_text())["baseline"] == first
+
+
+def test_the_budget_goes_to_the_steps_that_take_it() -> None:
+    """``--max-num-batched-tokens`` with steps before and from step14_9: only the engines of
+    the steps that take it get it; the others run as they are."""
+    from bench.models import load_step_model
+
+    options = cli.parse(["--steps", "step14_8,step14_9", "--max-num-batched-tokens", "64"])
+    cfg = preset("tiny")
+    assert load_step_model("step14_8", cfg, options=options).engine_args == {}
+    model = load_step_model("step14_9", cfg, options=options)
+    assert model.engine(max_running=4).max_num_batched_tokens == 64
 
 
 def test_python_m_bench_exits_2_with_one_line() -> None:

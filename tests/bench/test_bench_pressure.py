@@ -5,7 +5,8 @@ Two dozen short prompts whose answers stop at their own eos within 13 tokens, as
 each request's worst case (prompt + 64 tokens: 17 to 19 blocks) would run two at a time; the
 engine, which takes blocks as tokens need them, must run at least four per round on average,
 in every step, with the dense reference's tokens (each request stopped at its own eos) and
-identical figures. A smaller pool must preempt, and change no token. ``--total-blocks`` below
+identical figures (step14_9's longer chunks: but for the rounds they take). A smaller pool
+must preempt, and change no token. ``--total-blocks`` below
 the largest request's whole life is refused before any work, with one ``error:`` line.
 
 The bench serves requests ``while engine.has_work``, with no bound on rounds: every test here
@@ -35,7 +36,13 @@ from bench.workloads.shared_prefix import SharedPrefix
 from common.config import preset
 from common.inputs import blocks_for_request
 from front.workload import pressure_prompt_lengths, pressure_prompts
-from tests.helpers import MAX_ROUNDS_PER_ENGINE, STEP_NAMES, bench_usage_error
+from tests.helpers import (
+    MAX_ROUNDS_PER_ENGINE,
+    STEP_NAMES,
+    bench_usage_error,
+    has_fix,
+    same_work_figures,
+)
 
 pytestmark = pytest.mark.usefixtures("guard_every_engine")
 
@@ -180,17 +187,20 @@ def test_every_step_runs_four_or_more_per_round_with_the_reference_tokens(
     assert result.seqs_per_round >= 4
     assert result.rounds > 0 and result.seqs_scheduled == result.seqs_per_round * result.rounds
     assert result.requests == 24 and result.blocks_peak <= 48
-    assert figures(result) == figures(pressure_run(STEP_NAMES[0], 48))
+    first = figures(pressure_run(STEP_NAMES[0], 48))
+    assert same_work_figures(figures(result), step) == same_work_figures(first, step)
 
 
 def test_a_smaller_pool_preempts_and_changes_no_token(step: ModuleType) -> None:
     """Half the pool: requests are preempted and recomputed, every step counts the same
-    preemptions, and the tokens stay the reference's (the tiny model: the same workload)."""
+    preemptions (up to step14_8: step14_9's longer chunks take their blocks sooner), and the
+    tokens stay the reference's (the tiny model: the same workload)."""
     _, _, expected = pressure_setup(24, "tiny")
     result = pressure_run(step.__name__, 24, "tiny")
     assert result.outputs == expected
     assert result.preemptions > 0
-    assert figures(result) == figures(pressure_run(STEP_NAMES[0], 24, "tiny"))
+    if not has_fix(step, "step14_9"):
+        assert figures(result) == figures(pressure_run(STEP_NAMES[0], 24, "tiny"))
 
 
 def test_a_run_reports_the_engine_s_own_counters() -> None:

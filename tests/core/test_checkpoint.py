@@ -56,7 +56,7 @@ from front.cli import EngineOptions
 from front.codec import TextCodec, load_tokenizer
 from front.hf import default_max_positions, hf_llama
 from front.text import TextOptions, generate_text
-from tests.helpers import STEP_NAMES, edit_json, hf_greedy
+from tests.helpers import STEP_NAMES, edit_json, has_fix, hf_greedy
 from tests.toy_checkpoint import CFG, VOCAB, WORDS, word_tokenizer
 
 SYSTEM = "a small happy bird sat on the old tree today and it was here"
@@ -308,8 +308,9 @@ def test_text_through_every_step_equals_hf(
     assert all(text.split() and set(text.split()) <= set(WORDS) for text in result.outputs)
     s = result.stats
     # Admitted together, the requests leapfrog through the system prompt: each of its full
-    # blocks is computed once, by one of them, and adopted by the other two.
-    assert s.requests_hit == len(PROMPTS)
+    # blocks is computed once, by one of them, and adopted by the other two. (From step14_9 on
+    # the first computes all of it in one chunk: the other two hit.)
+    assert s.requests_hit == len(PROMPTS) - has_fix(step, "step14_9")
     system_blocks = result.system_tokens // 4
     assert system_blocks >= 2
     assert s.cached_tokens == (len(PROMPTS) - 1) * system_blocks * 4

@@ -20,6 +20,7 @@ from tests.helpers import (
     EngineFactory,
     life_in_rounds,
     log_schedules,
+    prefill_chunk,
     reference_tokens,
     run_rounds,
     tiny_config,
@@ -90,8 +91,9 @@ def test_generate_serial_runs_one_request_at_a_time(make_engine: EngineFactory) 
     outputs = engine.generate_serial(prompts, 3)
     assert outputs == reference_tokens(CFG, prompts, 3)
     assert all(len(ran) == 1 for ran in log)
-    lives = [life_in_rounds(len(p), 3) for p in prompts]
-    lives[2] = life_in_rounds(len(prompt), 3, cached_blocks=2)
+    chunk = prefill_chunk(engine)
+    lives = [life_in_rounds(len(p), 3, chunk=chunk) for p in prompts]
+    lives[2] = life_in_rounds(len(prompt), 3, cached_blocks=2, chunk=chunk)
     assert len(log) == sum(lives)
     assert engine.stats.cached_tokens == 2 * BS
 
@@ -142,16 +144,18 @@ def test_rounds_and_sequences_per_round_are_counted_as_they_run(
     step: ModuleType, make_engine: EngineFactory
 ) -> None:
     """rounds counts the rounds that ran a sequence, seqs_scheduled the sequences they ran, and
-    seqs_per_round is their ratio, not rounded. Two requests of 3 and 2 rounds side by side: 3
-    rounds, 5 sequences run; an idle step() adds nothing."""
+    seqs_per_round is their ratio, not rounded. Two requests of 3 and 2 rounds side by side (2
+    and 2 from step14_9 on, whose first chunk holds a whole short prompt): 3 rounds, 5
+    sequences run; an idle step() adds nothing."""
     engine = make_engine(max_running=2)
-    lives = [life_in_rounds(BS + 1, 2), life_in_rounds(1, 2)]
-    assert lives == [3, 2]
+    chunk = prefill_chunk(engine)
+    lives = [life_in_rounds(BS + 1, 2, chunk=chunk), life_in_rounds(1, 2, chunk=chunk)]
+    assert lives == ([3, 2] if chunk == BS else [2, 2])
     engine.generate([tokens(560, BS + 1), tokens(561, 1)], 2)
     engine.step()
     stats = engine.stats
-    assert (stats.rounds, stats.seqs_scheduled) == (3, 5)
-    assert stats.seqs_per_round == 5 / 3
+    assert (stats.rounds, stats.seqs_scheduled) == (max(lives), sum(lives))
+    assert stats.seqs_per_round == sum(lives) / max(lives)
     assert step.EngineStats(rounds=4, seqs_scheduled=6).seqs_per_round == 1.5
     assert step.EngineStats().seqs_per_round == 0.0
 
@@ -271,7 +275,7 @@ def test_snapshot_shows_the_pool_and_is_a_copy(make_engine: EngineFactory) -> No
     engine = make_engine(max_running=2)
     prefix = tokens(1100, 2 * BS)
     for i in range(3):
-        engine.add_request(prefix + tokens(1101 + i, 3), 3)
+        engine.add_request(prefix + tokens(1101 + i, 3), 8)
     for _ in range(3):
         engine.step()
     snap = engine.snapshot()

@@ -28,9 +28,11 @@ from front.workload import shared_prefix_prompts
 from tests.helpers import (
     EngineFactory,
     blocks_needed,
+    budget_args,
     guard_against_hangs,
     life_in_rounds,
     log_schedules,
+    prefill_chunk,
     reference_tokens,
     run_rounds,
     tiny_config,
@@ -51,7 +53,8 @@ def test_engine_admission_needs_only_the_first_chunk(make_engine: EngineFactory)
     Pool of 8, cache off: A can need 5 blocks (9 + 12 - 1 = 20 tokens), B 3 (5 + 5 - 1 = 9
     tokens), C and D one each: 10 in all, so reserving each one's worst case would leave C and D
     waiting behind A and B. Each first chunk needs one block, so all four start in round one,
-    in arrival order; C and D finish in it, and A and B then fit exactly."""
+    in arrival order; C and D finish in it, and A and B then fit exactly. (From step14_9 on a
+    first chunk is a whole short prompt, 3 + 2 + 1 + 1 blocks: all four still start at once.)"""
     cfg = tiny_config(total_blocks=8)
     sizes = [(9, 12), (5, 5), (1, 1), (1, 1)]
     assert [blocks_needed(n, m, BS) for n, m in sizes] == [5, 3, 1, 1]
@@ -63,7 +66,8 @@ def test_engine_admission_needs_only_the_first_chunk(make_engine: EngineFactory)
     assert (engine.stats.requests, engine.stats.prompt_tokens) == (4, 9 + 5 + 1 + 1)
     run_rounds(engine)
     assert log[0] == ids
-    assert all(round_ids == ids[:2] for round_ids in log[1 : life_in_rounds(5, 5)])
+    b_life = life_in_rounds(5, 5, chunk=prefill_chunk(engine))
+    assert all(round_ids == ids[:2] for round_ids in log[1:b_life])
     assert engine.stats.preemptions == 0
     for prompt, (_, m), rid in zip(prompts, sizes, ids):
         assert engine.pop_output(rid) == reference_tokens(cfg, [prompt], m)[0]
@@ -100,8 +104,8 @@ def test_the_head_of_the_queue_is_not_overtaken(make_engine: EngineFactory) -> N
     cached_prompt = tokens(210, 2 * BS + 1)
     engine.generate([cached_prompt], 1)  # leaves its two full blocks in the cache
     rid_r = engine.add_request(tokens(211, 3 * BS - 1), 3)
-    run_until = 3  # R's three chunks: it holds three blocks, the free pool is empty
-    for _ in range(run_until):
+    # R's prefill (three chunks; one from step14_9 on): it holds three blocks, none is free
+    for _ in range(cdiv(3 * BS - 1, prefill_chunk(engine))):
         engine.step()
     assert (engine.stats.blocks_free, engine.stats.blocks_used) == (0, 3)  # 2 evictable
     rid_h = engine.add_request([*cached_prompt[: 2 * BS], 5], 1)
@@ -156,7 +160,7 @@ def assert_whole_pool_request_starts_at_once(engine) -> None:
     max_new = BS
     assert blocks_needed(len(prompt), max_new, BS) == POOL
     rid = engine.add_request(prompt, max_new)
-    assert run_rounds(engine) == life_in_rounds(len(prompt), max_new)
+    assert run_rounds(engine) == life_in_rounds(len(prompt), max_new, chunk=prefill_chunk(engine))
     assert engine.pop_output(rid) == reference_tokens(POOL_CFG, [prompt], max_new)[0]
 
 
@@ -188,10 +192,11 @@ def test_every_block_comes_back_after_hits_and_lazy_allocation(
     assert_whole_pool_request_starts_at_once(engine)
 
 
-def test_allocation_is_lazy_and_never_beyond_the_need(make_engine: EngineFactory) -> None:
+def test_allocation_is_lazy_and_never_beyond_the_need(step, make_engine: EngineFactory) -> None:
     """One request alone, cache off: after each round it holds exactly the blocks its KV
-    needs so far (ceil(tokens with KV / block_size)), never more than its whole life needs."""
-    engine = make_engine(enable_prefix_cache=False)
+    needs so far (ceil(tokens with KV / block_size)), never more than its whole life needs
+    (a prefill chunk is one block; from step14_9 on, two under a budget of two blocks)."""
+    engine = make_engine(enable_prefix_cache=False, **budget_args(step, 2 * BS))
     total = CFG.total_blocks
     prompt, max_new = tokens(410, 3 * BS + 1), BS + 2
     need = blocks_needed(len(prompt), max_new, BS)
@@ -201,7 +206,8 @@ def test_allocation_is_lazy_and_never_beyond_the_need(make_engine: EngineFactory
         engine.step()
         held.append(engine.stats.blocks_used)
         assert engine.stats.blocks_free == total - held[-1]
-    kv_tokens = [min((r + 1) * BS, len(prompt)) for r in range(cdiv(len(prompt), BS))]
+    chunk = prefill_chunk(engine)
+    kv_tokens = [min((r + 1) * chunk, len(prompt)) for r in range(cdiv(len(prompt), chunk))]
     kv_tokens += [len(prompt) + d for d in range(1, max_new)]
     expected = [cdiv(n, BS) for n in kv_tokens]
     expected[-1] = 0  # the last round finishes the request: everything is back

@@ -21,7 +21,14 @@ import pytest
 from common.inputs import blocks_for_request
 from common.status import SequenceStatus
 from front.steps import load_step
-from tests.helpers import EngineFactory, guard_against_hangs, reference_tokens, tiny_config, tokens
+from tests.helpers import (
+    EngineFactory,
+    guard_against_hangs,
+    has_fix,
+    reference_tokens,
+    tiny_config,
+    tokens,
+)
 
 BS = 4
 
@@ -73,15 +80,17 @@ def reference_for(name: str) -> list[list[int]]:
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_preemption_loses_nothing_and_changes_nothing(step, name: str) -> None:
     """Tokens equal the dense reference; the pool is sane at rest; every step reports exactly
-    step14's figures, preemptions included; and the scenario really preempts (except the one
-    that runs one request at a time, which must never)."""
+    step14's figures, preemptions included (up to step14_8: step14_9's longer chunks take their
+    blocks sooner, so who is preempted when, and what is recomputed, differ); and the scenario
+    really preempts (except the one that runs one request at a time, which must never)."""
     outputs, stats, problems = run_scenario(step.__name__, name)
     assert outputs == reference_for(name)
     assert problems == []
     prompts = SCENARIOS[name][2]  # a resumed request is not a new one
     assert (stats["requests"], stats["prompt_tokens"]) == (len(prompts), sum(map(len, prompts)))
     assert stats["cached_tokens"] <= stats["prompt_tokens"]
-    assert stats == step14_run(name)[1]
+    if not has_fix(step, "step14_9"):
+        assert stats == step14_run(name)[1]
     if name == "serial":
         assert stats["preemptions"] == 0
     else:

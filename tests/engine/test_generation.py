@@ -20,6 +20,7 @@ from front.workload import demo_prompts, shared_prefix_prompts
 from tests.helpers import (
     EngineFactory,
     assert_engine_matches_reference,
+    prefill_chunk,
     reference_tokens,
     tiny_config,
     tokens,
@@ -150,14 +151,15 @@ def test_one_token_prompts(make_engine: EngineFactory) -> None:
 
 def test_step_api_matches_generate(make_engine: EngineFactory) -> None:
     """Driving the engine round by round gives generate's tokens. With everyone admitted at
-    once, each round advances every prefill one block and every decode one token."""
-    cfg, prompts = tiny_config(), mixed_prompts()
+    once, each round advances every prefill one chunk (a block; from step14_9 on, these short
+    prompts whole) and every decode one token."""
+    prompts = mixed_prompts()
     engine = make_engine(max_running=len(prompts))
     ids, rounds = drive(engine, prompts, MAX_NEW)
     assert len(set(ids)) == len(ids)
     via_step = [engine.pop_output(i) for i in ids]
     assert via_step == make_engine().generate(prompts, MAX_NEW) == expected(prompts)
-    prefill_rounds = max(cdiv(len(p), cfg.block_size) for p in prompts)
+    prefill_rounds = max(cdiv(len(p), prefill_chunk(engine)) for p in prompts)
     assert rounds == prefill_rounds + MAX_NEW - 1
 
 

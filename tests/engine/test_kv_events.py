@@ -3,7 +3,9 @@
 A consumer that replays the stream (``common.kv_events.replay``) must hold exactly what the
 prefix cache holds, hash -> (parent hash, token ids), after every round: through random
 scenarios with tight pools (evictions, preemptions), aborts and ``reset_prefix_cache``. Every
-step emits the same stream on the same requests. With events off, nothing is recorded at all.
+step emits the same stream on the same requests, round for round, up to step14_8; step14_9's
+longer chunks store blocks in fewer rounds (its own stream is checked by the replay alone).
+With events off, nothing is recorded at all.
 ``replay`` also reads vLLM's own shape of a ``BlockStored``, several blocks in one event, each
 chained to the block before it.
 """
@@ -22,6 +24,7 @@ from front.steps import load_step
 from tests.helpers import (
     STEP_NAMES,
     guard_against_hangs,
+    has_fix,
     random_shared_prefix_prompts,
     tiny_config,
 )
@@ -114,7 +117,8 @@ def test_replaying_the_events_rebuilds_the_cache(step: ModuleType, seed: int) ->
         len(e.block_hashes) for moment in stream for e in moment if type(e) is BlockRemoved
     )
     assert removed == stats.evictions, "every eviction is one BlockRemoved hash, and only those"
-    assert (stream, outputs, stats) == first_step_scenario(seed), "every step, the same stream"
+    if not has_fix(step, "step14_9"):  # its rounds differ; the replay above holds it
+        assert (stream, outputs, stats) == first_step_scenario(seed), "every step, the same stream"
 
 
 def test_the_scenarios_reach_every_event_and_preemption() -> None:

@@ -10,7 +10,9 @@ The reference for a seed is computed once and shared by every step, and so are s
 never sharing). Those figures are also checked against an independent model of the design's
 block bookkeeping (``BlockBookkeeping``: admission, adoption, lazy allocation, caching, LRU
 leaf-only eviction, no model and no KV), so every round's hits, evictions and block counts are
-pinned exactly, hot rounds after evictions included.
+pinned exactly, hot rounds after evictions included. From step14_9 on, a prefill chunk is as
+long as the round's token budget allows (the scenario draws one): the model then runs with that
+budget, and pins step14_9's figures as exactly.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from front.steps import load_step
 from tests.helpers import (
     EngineFactory,
     blocks_needed,
+    budget_args,
+    has_fix,
     random_shared_prefix_prompts,
     reference_tokens,
     tiny_config,
@@ -56,10 +60,18 @@ class Scenario:
     # (prompt, rounds): that request is aborted once the engine has run that many rounds, if it
     # is still queued or running then (batched scenarios only); None: no abort.
     abort_pick: tuple[int, int] | None = None
+    # step14_9's max_num_batched_tokens, above the least it may be (a block beside every
+    # other running request's decode token) by this much
+    budget_above_least: int = 512
 
     @property
     def cfg(self) -> ModelConfig:
         return tiny_config(block_size=self.block_size, total_blocks=self.total_blocks)
+
+    @property
+    def budget(self) -> int:
+        """step14_9's max_num_batched_tokens: tokens a round computes at most."""
+        return self.block_size + self.max_running - 1 + self.budget_above_least
 
     @property
     def prompt_lists(self) -> list[list[int]]:
@@ -92,6 +104,7 @@ def scenario(seed: int) -> Scenario:
         if rng.random() < 0.3
         else None,
         abort_pick=(rng.randrange(len(prompts)), rng.randrange(8)) if rng.random() < 0.3 else None,
+        budget_above_least=rng.choice([0, 1, block_size, 2 * block_size + 1, 512]),
     )
 
 
@@ -151,6 +164,7 @@ def new_engine(step: ModuleType, case: Scenario):
         step.TinyTransformerPaged(case.cfg),
         max_running=case.max_running,
         enable_prefix_cache=case.enable_prefix_cache,
+        **budget_args(step, case.budget),
     )
 
 
@@ -197,8 +211,10 @@ class BlockBookkeeping:
     """The design's memory policy, written out again without a model or a KV pool.
 
     A round: every running request, oldest first, takes its step (a prefill chunk: adopt the
-    cached chain that continues the block table, never the last token's block; or one decode
-    token), taking blocks on demand and evicting only the shortfall; when the free and
+    cached chain that continues the block table, never the last token's block, then one block;
+    or with a token ``budget``, step14_9's, what is left of the round's budget once each decoding
+    request has its token: the rest of the prompt if it fits, else the whole blocks that do; or
+    one decode token), taking blocks on demand and evicting only the shortfall; when the free and
     evictable blocks cannot cover it, the most recently admitted request is preempted (its
     blocks dropped, its tokens kept, back to the front of the queue, to prefill prompt + output
     again), perhaps the one that asked. Then, unless someone was preempted, waiting requests are
@@ -208,8 +224,8 @@ class BlockBookkeeping:
     eviction takes the least recently used cache-only leaf. Its figures are what every step's
     EngineStats must say: an exact expectation the engine does not produce."""
 
-    def __init__(self, case: Scenario, outputs: list[list[int]]) -> None:
-        self.case, self.outputs, self.bs = case, outputs, case.block_size
+    def __init__(self, case: Scenario, outputs: list[list[int]], budget: int | None = None) -> None:
+        self.case, self.outputs, self.bs, self.budget = case, outputs, case.block_size, budget
         self.cache_on = case.enable_prefix_cache
         self.free, self.peak, self.next_block = case.total_blocks, 0, 0
         self.refs: dict[int, int] = {}
@@ -260,18 +276,24 @@ class BlockBookkeeping:
     # -- one round
     def round(self) -> None:
         ran, preemptions = [], self.counters["preemptions"]
+        left = None if self.budget is None else self.budget - self.count("running")
         for seq in list(self.running):
             if seq.state == "preempted":  # an older request needed its blocks this round
                 continue
-            step = self.prefill_chunk if seq.state == "prefilling" else self.decode_token
-            if step(seq, may_preempt=True):
+            if seq.state == "prefilling":
+                computed = self.prefill_chunk(seq, True, left)
+                left = None if left is None else left - computed
+            else:
+                computed = self.decode_token(seq, may_preempt=True)
+            if computed:
                 ran.append(seq)
         while (
             self.counters["preemptions"] == preemptions
             and self.waiting
             and len(self.running) < self.case.max_running
-            and self.prefill_chunk(self.waiting[0], may_preempt=False)
+            and (computed := self.prefill_chunk(self.waiting[0], False, left))
         ):
+            left = None if left is None else left - computed
             ran.append(self.waiting[0])
             self.running.append(self.waiting.popleft())
         self.counters["rounds"] += bool(ran)
@@ -281,14 +303,22 @@ class BlockBookkeeping:
                 self.release(seq)
         self.running = [s for s in self.running if s.state != "finished"]
 
-    def prefill_chunk(self, seq: ModelSeq, may_preempt: bool) -> bool:
+    def count(self, state: str) -> int:
+        return sum(seq.state == state for seq in self.running)
+
+    def prefill_chunk(self, seq: ModelSeq, may_preempt: bool, left: int | None) -> int:
+        """Adopt, allocate and count the sequence's next chunk; its length (0: none ran)."""
         tokens = seq.token_ids()  # a resumed request prefills its output again too
         hits = self.lookup(seq, tokens)
         start = seq.offset + len(hits) * self.bs
-        chunk = min(self.bs, len(tokens) - start)
+        rest = len(tokens) - start
+        if left is None:
+            chunk = min(self.bs, rest)
+        else:
+            chunk = rest if rest <= left else max(left, 0) // self.bs * self.bs
         first_hit = bool(hits) and not seq.hits
-        if not self.allocate(seq, start + chunk, hits, may_preempt):
-            return False
+        if chunk == 0 or not self.allocate(seq, start + chunk, hits, may_preempt):
+            return 0
         self.counters["computed_prefill_tokens"] += chunk
         if seq.preemptions:
             self.counters["resumed_cached_tokens"] += len(hits) * self.bs
@@ -299,11 +329,12 @@ class BlockBookkeeping:
             self.counters["requests_hit"] += first_hit
             self.counters["cached_tokens"] += len(hits) * self.bs
         seq.offset, seq.state = start + chunk, "prefilling"
-        self.cache_block(seq, seq.offset)
+        for end in range(start + 1, seq.offset + 1):
+            self.cache_block(seq, end)  # each block the chunk fills
         if seq.offset == len(tokens):
             seq.state = "running"
             seq.append_token()
-        return True
+        return chunk
 
     def decode_token(self, seq: ModelSeq, may_preempt: bool) -> bool:
         kv_tokens = len(seq.prompt) + seq.generated  # the newest token's KV is written now
@@ -433,11 +464,13 @@ COUNTERS = (
 
 
 @cache
-def modelled_stats(seed: int) -> tuple[dict, ...]:
-    """The bookkeeping model's figures after each round of a seed's scenario, and the length
-    of every request's output (an aborted request's is what it had generated)."""
+def modelled_stats(seed: int, with_budget: bool = False) -> tuple[dict, ...]:
+    """The bookkeeping model's figures after each round of a seed's scenario (``with_budget``:
+    step14_9's chunks), and the length of every request's output (an aborted request's is what
+    it had generated)."""
     case = scenario(seed)
-    model = BlockBookkeeping(case, [list(o) for o in expected_tokens(seed)])
+    budget = case.budget if with_budget else None
+    model = BlockBookkeeping(case, [list(o) for o in expected_tokens(seed)], budget)
     rounds = []
     for _ in range(2 if case.hot_round else 1):
         lengths = model.run_round_of_requests()
@@ -470,14 +503,19 @@ def assert_stats_consistent(engine, case: Scenario, rounds: int, outputs: list[l
 
 
 @pytest.mark.parametrize("seed", range(SEEDS))
-def test_random_scenario_matches_reference(make_engine: EngineFactory, seed: int) -> None:
+def test_random_scenario_matches_reference(
+    step: ModuleType, make_engine: EngineFactory, seed: int
+) -> None:
     """Whatever the memory, batching and cache settings, the tokens are the reference's."""
     case = scenario(seed)
     engine = make_engine(
-        case.cfg, max_running=case.max_running, enable_prefix_cache=case.enable_prefix_cache
+        case.cfg,
+        max_running=case.max_running,
+        enable_prefix_cache=case.enable_prefix_cache,
+        **budget_args(step, case.budget),
     )
     expected = [list(o) for o in expected_tokens(seed)]
-    modelled = modelled_stats(seed)
+    modelled = modelled_stats(seed, with_budget=has_fix(step, "step14_9"))
     outputs = run_round(engine, case, eos_token_id(seed))
     assert matches(outputs, expected, case)
     assert [len(o) for o in outputs] == modelled[0]["output_lengths"]
@@ -492,7 +530,8 @@ def test_random_scenario_matches_reference(make_engine: EngineFactory, seed: int
     assert_stats_consistent(engine, case, len(stats), expected)
     figures = [{k: v for k, v in r.items() if k != "output_lengths"} for r in modelled]
     assert stats == figures
-    assert tuple(stats) == step14_stats(seed)
+    if not has_fix(step, "step14_9"):  # step14_9's chunks: the model with its budget, above
+        assert tuple(stats) == step14_stats(seed)
 
 
 def assert_hot_round_hits(engine, case: Scenario, hot_hits: int) -> None:

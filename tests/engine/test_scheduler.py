@@ -17,6 +17,7 @@ from tests.helpers import (
     EngineFactory,
     life_in_rounds,
     log_schedules,
+    prefill_chunk,
     reference_tokens,
     run_rounds,
     tiny_config,
@@ -43,7 +44,8 @@ def test_scheduler_runs_max_running_at_most_and_at_least_when_it_can(
     log = log_schedules(engine)
     assert engine.generate(prompts, max_new) == reference_tokens(CFG, prompts, max_new)
 
-    queue = [(i, life_in_rounds(n, max_new)) for i, n in enumerate(lengths)]
+    chunk = prefill_chunk(engine)
+    queue = [(i, life_in_rounds(n, max_new, chunk=chunk)) for i, n in enumerate(lengths)]
     active: list[tuple[int, int]] = []
     expected = []
     while queue or active:

@@ -2,7 +2,8 @@
 
 The specification: a sequence carries its token stream (prompt, then output), knows when its
 prefill is done and when it must finish (``max_new_tokens`` or any of its eos ids), and moves
-WAITING -> PREFILLING (one block-sized chunk per round) -> RUNNING (one token per round) ->
+WAITING -> PREFILLING (one chunk per round: a block, or from step14_9 on the whole blocks of the
+token budget) -> RUNNING (one token per round) ->
 FINISHED, with its blocks released. The hash chain that step14_5 keeps on it is specified in
 ``test_step14_5_hash_chain.py``.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from common.status import SequenceStatus
-from tests.helpers import EngineFactory, tiny_config, tokens
+from tests.helpers import EngineFactory, budget_args, prefill_chunk, tiny_config, tokens
 
 CFG = tiny_config()
 BS = CFG.block_size
@@ -39,11 +40,15 @@ def test_sequence_unit(step: ModuleType) -> None:
     assert capped.status is step.SequenceStatus.FINISHED
 
 
-def test_sequence_moves_waiting_prefilling_running_finished(make_engine: EngineFactory) -> None:
-    """Each round advances a prefilling sequence by one block-sized chunk (prefill_offset is
-    the prompt tokens with KV, never more than the prompt), then it decodes one token per
-    round, then it is FINISHED with its blocks released."""
-    engine = make_engine()
+def test_sequence_moves_waiting_prefilling_running_finished(
+    step: ModuleType, make_engine: EngineFactory
+) -> None:
+    """Each round advances a prefilling sequence by one chunk (prefill_offset is the prompt
+    tokens with KV, never more than the prompt): a block, or two under step14_9's budget of two
+    blocks; then it decodes one token per round, then it is FINISHED with its blocks
+    released."""
+    engine = make_engine(**budget_args(step, 2 * BS))
+    chunk = prefill_chunk(engine)
     prompt, max_new = tokens(560, 2 * BS + 3), 3
     engine.add_request(prompt, max_new)
     (seq,) = engine.scheduler.waiting
@@ -52,9 +57,11 @@ def test_sequence_moves_waiting_prefilling_running_finished(make_engine: EngineF
     while engine.has_work:
         engine.step()
         seen.append((seq.status, seq.prefill_offset, len(seq.generated_ids)))
+    ends = [BS, 2 * BS] if chunk == BS else [2 * BS]
+    assert ends == list(range(chunk, len(prompt), chunk))
+    prefill = [(SequenceStatus.PREFILLING, end, 0) for end in ends]
     assert seen == [
-        (SequenceStatus.PREFILLING, BS, 0),
-        (SequenceStatus.PREFILLING, 2 * BS, 0),
+        *prefill,
         (SequenceStatus.RUNNING, len(prompt), 1),
         (SequenceStatus.RUNNING, len(prompt), 2),
         (SequenceStatus.FINISHED, len(prompt), 3),

@@ -370,3 +370,40 @@ def test_the_documented_commands_print_no_warning(
     proc = run_python("-W", "error::UserWarning", "-m", *argv)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stderr == "", proc.stderr
+
+
+# ---- an engine flag that only later steps take -------------------------------------------------
+
+
+@pytest.mark.usefixtures("no_work")
+def test_a_flag_of_a_later_steps_engine_is_refused_by_name(capsys) -> None:
+    """``--max-num-batched-tokens`` before step14_9 (whose engine has no budget) is one error
+    line that names the step it needs; from step14_9 on, one too small for ``--max-running``
+    is refused with the core's rule, before anything loads."""
+    earlier = importlib.import_module("step14_8.run")
+    line = usage_error(earlier.main, ["--max-num-batched-tokens", "64"], capsys)
+    assert "--max-num-batched-tokens needs step14_9 or later" in line, line
+    if "step14_9" not in STEP_NAMES:
+        return
+    later = importlib.import_module("step14_9.run")
+    line = usage_error(later.main, ["--max-num-batched-tokens", "18"], capsys)
+    assert "max_num_batched_tokens must be an int >= block_size + max_running - 1 = 19" in line
+    line = usage_error(later.main, ["--max-num-batched-tokens", "0"], capsys)
+    assert "argument --max-num-batched-tokens: must be >= 1, got 0" in line
+
+
+def test_the_budget_reaches_the_engine_a_command_builds(monkeypatch) -> None:
+    """The engine builder hands the flag to the engines that take it, and refuses it, as a
+    one-line user error, for those that do not."""
+    from common.errors import UserError
+    from front.build import EngineBuilder, ModelSource
+    from front.cli import EngineOptions
+
+    options = EngineOptions(block_size=4, total_blocks=16, max_num_batched_tokens=40)
+    source = ModelSource.open("tiny", options)
+    with pytest.raises(UserError, match="needs step14_9 or later: step14_8's engine"):
+        EngineBuilder("step14_8", source, options)()
+    if "step14_9" in STEP_NAMES:
+        assert EngineBuilder("step14_9", source, options)().max_num_batched_tokens == 40
+        default = EngineBuilder("step14_9", source, EngineOptions(block_size=4))()
+        assert default.max_num_batched_tokens == 512

@@ -349,13 +349,13 @@ def test_every_bench_column_is_explained() -> None:
         assert f"`{title}`" in TEXT[DOCS / "benchmarks.md"], f"column {title!r} is unexplained"
 
 
-def expected_cells(row: dict) -> dict[str, str]:
+def expected_cells(row: dict, baseline: str = RESULTS["baseline"]) -> dict[str, str]:
     """A results row as ``python -m bench`` prints it, by column title."""
     reuse = f"{row['cached_tokens'] / row['prompt_tokens']:.0%}" if row["prompt_tokens"] else "-"
     return {
         "min s": f"{row['min_s']:.3f}",
         "tokens/s": f"{row['tokens_per_s']:.1f}",
-        f"vs {RESULTS['baseline']}": f"{row['speedup_vs_baseline']:.2f}x",
+        f"vs {baseline}": f"{row['speedup_vs_baseline']:.2f}x",
         "vs floor": f"{row['floor_multiple']:.1f}x",
         "prefix reuse": reuse,
         "computed tokens": f"{row['computed_prefill_tokens']} + {row['computed_decode_tokens']}",
@@ -365,9 +365,10 @@ def expected_cells(row: dict) -> dict[str, str]:
     }
 
 
-def results_table(text: str) -> list[dict[str, str]]:
-    """The rows of a page's results table (the one with a ``min s`` column), by column title."""
-    lines = text.splitlines()
+def results_table(text: str, after: str = "") -> list[dict[str, str]]:
+    """The rows of a page's results table (the first with a ``min s`` column after the text
+    ``after``), by column title."""
+    lines = text[text.index(after) :].splitlines()
     start = next(i for i, line in enumerate(lines) if re.match(r"\| step .*\| +min s +\|", line))
     titles = [cell.strip() for cell in lines[start].strip("|").split("|")]
     rows = []
@@ -392,6 +393,31 @@ def test_results_tables_show_the_saved_run(page: Path) -> None:
     assert f"Measured on {RESULTS['date'].split()[0]}" in text
     assert f"Python {machine['python']}, torch {machine['torch']}" in text
     assert machine["threads"] == 1 and "one torch thread" in text
+
+
+REAL_SIZE = json.loads((DOCS / "results-smollm2-cpu.json").read_text())
+REAL_SIZE_COMMAND = (
+    "python -m bench --model smollm2-135m --requests 8 --prefix-len 512 "
+    "--steps step14_8,step14_9 --no-reference"
+)
+
+
+@pytest.mark.parametrize("page", [DOCS / "benchmarks.md", ROOT / "step14_9" / "README.md"])
+def test_the_real_size_table_shows_its_saved_run(page: Path) -> None:
+    """The table of the smollm2-135m preset is docs/results-smollm2-cpu.json's run, of the
+    command the page shows, at one thread, on the date the page names."""
+    text = page.read_text()
+    assert REAL_SIZE_COMMAND in " ".join(text.split())
+    settings = REAL_SIZE["settings"]
+    assert settings["model_name"] == "smollm2-135m" and REAL_SIZE["machine"]["threads"] == 1
+    assert (settings["workload"]["num_requests"], settings["workload"]["prefix_len"]) == (8, 512)
+    rows = results_table(text, after=REAL_SIZE_COMMAND.split(" --no-reference")[0][-40:])
+    assert [r["step"] for r in rows] == [r["name"] for r in REAL_SIZE["rows"]]
+    for shown, saved in zip(rows, REAL_SIZE["rows"]):
+        for title, cell in expected_cells(saved, REAL_SIZE["baseline"]).items():
+            if title in shown:
+                assert shown[title].rstrip("!").strip() == cell, (saved["name"], title)
+    assert REAL_SIZE["date"].split()[0] in text
 
 
 SCALE = json.loads((DOCS / "scale-cpu.json").read_text())

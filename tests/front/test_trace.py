@@ -5,7 +5,8 @@ The trace watches an engine as its observer, replacing nothing, so it must tell 
 engine did: the blocks it
 adopted are the tokens the stats call cached, the pool adds up after every round, every
 ref_count is the requests holding the block plus the cache. And since every step moves the same
-blocks, every step records the same trace. The demo prints it and draws it; a bad picture path
+blocks in the same rounds, every step records the same trace, up to step14_8 (step14_9's longer
+chunks move them in fewer rounds). The demo prints it and draws it; a bad picture path
 stops the demo before any work, with one error line.
 """
 
@@ -26,6 +27,7 @@ from front.steps import load_step
 from front.trace import RoundTrace, RoundTracer, format_trace
 from front.workload import demo_prompts
 from tests.conftest import STEP_NAMES, guard_against_hangs, tiny_config
+from tests.helpers import budget_args, has_fix
 
 ROOT = Path(__file__).resolve().parents[2]
 BS = 4
@@ -76,6 +78,8 @@ def first_step_trace(total_blocks: int) -> tuple[list[RoundTrace], object]:
 @pytest.mark.parametrize("total_blocks", [64, 9])
 def test_every_step_records_the_same_trace(step: ModuleType, total_blocks: int) -> None:
     """Roomy and tight (preemptions, evictions): the records, the text and the stats."""
+    if has_fix(step, "step14_9"):
+        pytest.skip("step14_9's chunks move the blocks in other rounds; traced as the next test")
     rounds, stats = traced(step, total_blocks)
     first_rounds, first_stats = first_step_trace(total_blocks)
     assert format_trace(rounds) == format_trace(first_rounds)
@@ -129,7 +133,8 @@ def test_a_cold_batched_run_adopts_what_the_stats_call_cached(step: ModuleType) 
         cached_now = {b for w in r.work for b in w.cached}
         assert cached_now <= set(r.pool.cached)
     text = format_trace(tracer.rounds)
-    assert text.startswith("round 1 ") and "adopt [0]" in text and "no block moves" in text
+    assert text.startswith("round 1 ") and "no block moves" in text
+    assert re.search(r"adopt \[0[ \]]", text), "a request adopts the first block"
 
 
 def test_full_blocks_the_cache_refuses_are_named(step: ModuleType) -> None:
@@ -154,7 +159,9 @@ def test_a_preempted_request_resumes_and_is_aborted_in_the_trace(step: ModuleTyp
     admitted again; preempted a second time and aborted from the queue, it is traced "aborted",
     between rounds, with nothing left to free."""
     cfg = tiny_config(block_size=BS, total_blocks=6)
-    engine = step.PagedPrefixCacheEngine(step.TinyTransformerPaged(cfg), max_running=3)
+    # step14_9: under a budget of two blocks a round, which preempts the third request twice too
+    budget = budget_args(step, 2 * BS)
+    engine = step.PagedPrefixCacheEngine(step.TinyTransformerPaged(cfg), max_running=3, **budget)
     guard_against_hangs(engine)
     tracer = RoundTracer(engine)
     for i in range(3):

@@ -55,6 +55,7 @@ def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--model", "{ckpt}", "--port", "70000"], "--port"),
         (["--model", "{ckpt}", "--total-blocks", "0"], "--total-blocks"),
         (["--model", "{ckpt}", "--dtype", "float8"], "not a dtype"),
+        (["--model", "{ckpt}", "--max-num-batched-tokens", "22"], "max_running - 1 = 23"),
     ],
 )
 def test_a_flag_it_cannot_use_is_one_line(
@@ -63,6 +64,15 @@ def test_a_flag_it_cannot_use_is_one_line(
     argv = [arg.replace("{ckpt}", str(chat_checkpoint)) for arg in argv]
     line = usage_error(lambda a: serve_cli.main(LAST, a), argv, capsys)
     assert line.startswith(f"python -m {LAST}.serve: error:") and says in line
+
+
+def test_an_earlier_steps_server_refuses_a_later_steps_flag(
+    chat_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--model", str(chat_checkpoint), "--max-num-batched-tokens", "64"]
+    line = usage_error(lambda a: serve_cli.main("step14_8", a), argv, capsys)
+    assert line.startswith("python -m step14_8.serve: error:")
+    assert "--max-num-batched-tokens needs step14_9 or later" in line
 
 
 def one_line_failure(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:

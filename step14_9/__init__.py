@@ -1,0 +1,38 @@
+"""One step of the paged prefix-cache tutorial: a complete engine (see this folder's README).
+
+The names below load when first used (a module ``__getattr__``, PEP 562; vLLM's own
+``__init__`` does the same with its ``MODULE_ATTRS``): ``from <step> import
+PagedPrefixCacheEngine`` reads as usual, and importing the package alone costs nothing. So
+``python -m <step>.run`` answers Ctrl-C with one line even while torch, seconds of importing,
+is still loading.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Each name, and the module that defines it: this step's own files, or the core.
+MODULE_ATTRS = {
+    "BlockManager": ".block_manager",
+    "EngineStats": "common.stats",
+    "KVCacheManager": ".kv_cache_manager",
+    "NoFreeBlocksError": ".block_manager",
+    "PagedPrefixCacheEngine": ".engine",
+    "PagedScheduler": ".scheduler",
+    "PrefixCache": ".prefix_cache",
+    "RequestOutput": "common.sampling",
+    "SamplingParams": "common.sampling",
+    "Sequence": ".sequence",
+    "SequenceStatus": ".sequence",
+    "TinyTransformerPaged": ".model",
+}
+__all__ = list(MODULE_ATTRS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in MODULE_ATTRS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(MODULE_ATTRS[name], __name__), name)
+    globals()[name] = value  # found at once from now on
+    return value
