@@ -10,15 +10,18 @@
 - driving an engine: ``run_rounds``, ``log_schedules``, ``guard_against_hangs``,
   ``assert_engine_matches_reference``;
 - a step's files as they are on disk: ``step_files``, ``function_tree``, ``python_loops``;
-- the command line: ``usage_error``, ``bench_usage_error``, ``NOT_INTEGERS``, ``run_python``;
+- the command line: ``usage_error``, ``bench_usage_error``, ``NOT_INTEGERS``, ``run_python``,
+  and the docs' tables of flags: ``documented_defaults``, ``assert_documented_defaults``;
 - a checkpoint's files: ``edit_json``; Hugging Face's own answers: ``hf_greedy``.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import random
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -324,6 +327,48 @@ def run_python(*args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=SUBPROCESS_TIMEOUT_S,
     )
+
+
+# How a docs table writes a default that is no value; "—": the command has no such flag.
+DEFAULT_WORDS = {"off": False, "(needed)": None}
+NO_FLAG = "—"
+
+
+def documented_defaults(table: str) -> dict[str, dict[str, str]]:
+    """A docs table of flags (``| flag | <column> ... | what |``): for each column between the
+    first and the last, each flag with its default as the column writes it. A row may name
+    several flags, with their defaults in the same order, comma-separated."""
+    lines = [line for line in table.splitlines() if line.startswith("|")]
+    columns = [cell.strip() for cell in lines[0].split("|")[2:-2]]
+    found: dict[str, dict[str, str]] = {column: {} for column in columns}
+    for line in lines[2:]:
+        cells = line.split("|")[1:-1]
+        flags = re.findall(r"`(--[a-z-]+)", cells[0])
+        for column, cell in zip(columns, cells[1:], strict=False):
+            if cell.strip() == NO_FLAG:
+                continue
+            values = [value.strip() for value in cell.split(",")]
+            values = values if len(values) == len(flags) else [cell.strip()] * len(flags)
+            found[column].update(zip(flags, values, strict=True))
+    return found
+
+
+def assert_documented_defaults(parser: argparse.ArgumentParser, documented: dict[str, str]) -> None:
+    """The parser has exactly the documented flags, each with the default the docs give."""
+    actual = {
+        action.option_strings[0]: action.default
+        for action in parser._actions
+        if action.option_strings and action.option_strings[0] != "-h"
+    }
+    assert set(documented) == set(actual), set(documented) ^ set(actual)
+    for flag, text in documented.items():
+        default = actual[flag]
+        if text.startswith("none"):
+            assert default is None, flag
+        elif text in DEFAULT_WORDS:
+            assert default is DEFAULT_WORDS[text], flag
+        else:
+            assert text == str(default), (flag, text, default)
 
 
 # ---- a checkpoint's files -----------------------------------------------------------------------

@@ -11,7 +11,7 @@ import re
 import httpx
 import pytest
 
-from tests.helpers import ROOT, STEP_NAMES
+from tests.helpers import ROOT, STEP_NAMES, assert_documented_defaults, documented_defaults
 from tests.serve.server_process import API_KEY, ServerProcess
 
 PAGE = (ROOT / "docs" / "serving.md").read_text()
@@ -92,19 +92,6 @@ def test_the_fields_table_names_what_the_request_models_declare() -> None:
 
 
 FLAGS_TABLE = PAGE[PAGE.index("| flag | default | what |") : PAGE.index("**How many requests")]
-WORDS = {"off": False, "(needed)": None}  # how the table writes a default that is no value
-
-
-def documented_defaults() -> dict[str, str]:
-    """Each flag of the table, with its default as the table writes it."""
-    found = {}
-    for line in [row for row in FLAGS_TABLE.splitlines()[2:] if row.startswith("|")]:
-        flags_cell, default_cell = line.split("|")[1:3]
-        flags = re.findall(r"`(--[a-z-]+)", flags_cell)
-        defaults = [d.strip() for d in default_cell.split(",")]
-        defaults = defaults if len(defaults) == len(flags) else [default_cell.strip()] * len(flags)
-        found.update(zip(flags, defaults, strict=True))
-    return found
 
 
 def test_the_flags_table_gives_every_flag_with_its_real_default() -> None:
@@ -112,22 +99,7 @@ def test_the_flags_table_gives_every_flag_with_its_real_default() -> None:
     page says it; so does a flag the page leaves out."""
     from front.serve.options import build_parser
 
-    parser = build_parser("serve")
-    actual = {
-        action.option_strings[0]: action.default
-        for action in parser._actions
-        if action.option_strings and action.option_strings[0] != "-h"
-    }
-    documented = documented_defaults()
-    assert set(documented) == set(actual)
-    for flag, text in documented.items():
-        default = actual[flag]
-        if text.startswith("none"):
-            assert default is None, flag
-        elif text in WORDS:
-            assert default is WORDS[text] or (text == "(needed)" and default is None), flag
-        else:
-            assert text == str(default), (flag, text, default)
+    assert_documented_defaults(build_parser("serve"), documented_defaults(FLAGS_TABLE)["default"])
 
 
 def test_the_page_says_the_batch_commands_run_fewer_at_once() -> None:
