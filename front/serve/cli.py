@@ -27,7 +27,7 @@ def main(step_name: str, argv: list[str] | None = None) -> int:
 
 
 def start(step_name: str, options: ServeOptions, prog: str) -> int:
-    require_packages()
+    require_packages(PACKAGES, "the server", "serve")
     if options.kv_events is not None and options.kv_events.publishes:
         require_packages(EVENT_PACKAGES, "--kv-events-config", "cluster")
     from .launch import run_server  # imports the packages just checked
@@ -35,9 +35,8 @@ def start(step_name: str, options: ServeOptions, prog: str) -> int:
     return run_server(step_name, options, prog)
 
 
-def require_packages(
-    packages: tuple[str, ...] = PACKAGES, who: str = "the server", extra: str = "serve"
-) -> None:
+def require_packages(packages: tuple[str, ...], who: str, extra: str) -> None:
+    """One line naming what ``who`` needs that is not installed, and the extra that brings it."""
     missing = [name for name in packages if importlib.util.find_spec(name) is None]
     if missing:
         raise MissingPackageError(f"{who} needs {', '.join(missing)}: pip install -e '.[{extra}]'")

@@ -231,12 +231,12 @@ def test_every_step_reports_step14s_stats(
     preempts: batching changes nothing.
 
     step14_9 cuts the work into other rounds, so its figures of rounds and its peak of blocks
-    held are left out, and two things of it differ on purpose: in a pool that preempts, its long chunks take their blocks
-    sooner, so who is preempted when differs (test_random_scenarios.py pins its figures); and a
-    request that asks for its prompt's logprobs adopts nothing, so it computes again whatever
-    blocks of its prompt the others computed before it did, which depends on how the rounds
-    were cut: in step14 the requests leapfrog through the prefix, in step14_9 the first
-    computes it alone."""
+    held are left out, and two things of it differ on purpose: in a pool that preempts, its long
+    chunks take their blocks sooner, so who is preempted when differs (test_random_scenarios.py
+    pins its figures); and a request that asks for its prompt's logprobs adopts nothing, so it
+    computes again whatever blocks of its prompt the others computed before it did, which
+    depends on how the rounds were cut: in step14 the requests leapfrog through the prefix, in
+    step14_9 the first computes it alone."""
     engine = make_engine(CFG.replace(total_blocks=total_blocks), max_running=5)
     stats = stats_cold_and_warm(engine, prompt_logprobs)
     if has_fix(step, "step14_9") and (total_blocks == 12 or prompt_logprobs):
