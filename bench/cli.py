@@ -295,9 +295,10 @@ def refuse_unread(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         given = not isinstance(value, PerWorkload)
         if given and isinstance(default, PerWorkload) and default.values[args.workload] == UNUSED:
             readers = [name for name, v in default.values.items() if v != UNUSED]
-            reason = (
-                f"only --workload {readers[0]} reads it"
-                if len(readers) == 1
+            reason = (  # a flag of one or two workloads names them; a common one, the reason
+                f"only --workload {' and --workload '.join(readers)} "
+                + ("reads it" if len(readers) == 1 else "read it")
+                if len(readers) <= 2
                 else f"--workload {args.workload} {WORKLOADS[args.workload].NOT_READ}"
             )
             reasons.setdefault(reason, []).append("--" + dest.replace("_", "-"))

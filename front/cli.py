@@ -349,11 +349,11 @@ ENGINE_FLAGS: dict[str, tuple[Callable[[str], object], str, str]] = {
 
 
 def refuse_step_options(
-    parser: argparse.ArgumentParser, step_name: str, args: argparse.Namespace
+    parser: argparse.ArgumentParser, step_name: str, engine: EngineOptions
 ) -> None:
     """An engine flag that ``step_name``'s engine does not take (``--max-num-batched-tokens``
     before step14_9) is one ``error:`` line, before anything loads."""
-    why = EngineOptions.from_args(args).refused_by(step_name)
+    why = engine.refused_by(step_name)
     if why is not None:
         parser.error(why)
 

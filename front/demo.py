@@ -101,7 +101,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         choices=list(TRACE_ROUNDS),
         default=None,
         help="the round that --trace and --trace-png show: batched (a roomy pool: the "
-        "leapfrog through the shared prefix) or small-pool (preemption and eviction)",
+        "leapfrog through the shared prefix) or small-pool (too small for every request at once: "
+        "they are preempted and evict, or from step14_9 on, wait their turn)",
     )
     return parser
 

@@ -50,7 +50,7 @@ def main(step_name: str, argv: list[str] | None = None) -> int:
     options = module.read_options(parser, argv)
     from .cli import refuse_step_options  # loaded with the front end: torch is imported now
 
-    refuse_step_options(parser, step_name, parser.parse_args(argv))
+    refuse_step_options(parser, step_name, options.engine)  # read once: stdin may be a flag's
     # A problem with the checkpoint or a request is one ``error:`` line and exit status 1 (a
     # traceback is left for bugs), whichever front end met it.
     return report_user_errors(parser.prog, lambda: module.run(step_name, options))

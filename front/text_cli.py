@@ -64,6 +64,10 @@ class TextRun:
     trace: TraceOptions = field(default_factory=TraceOptions)
     asked: bool = True  # False: no request given, the example prompt is served
 
+    @property
+    def engine(self) -> EngineOptions:
+        return self.text.engine
+
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(

@@ -834,7 +834,7 @@ MUTANTS = [
       "a one-item sampling_params list is spread over every prompt",
       tests=("tests/front/test_streaming.py",)),
     M("c-stream-hold-at-any-fffd", "step14", "front/stream.py",
-      "if text.endswith(REPLACEMENT_CHAR):", "if REPLACEMENT_CHAR in text:",
+      "if not final and text.endswith(REPLACEMENT_CHAR):", "if not final and REPLACEMENT_CHAR in text:",
       "the stream freezes after a byte no token completes, until the answer ends",
       tests=("tests/front/test_streaming.py",)),
     # ---- front/trace.py: the round-by-round trace ----------------------------------------------

@@ -113,14 +113,15 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 def parse_args(prog: str, argv: list[str] | None, step_name: str) -> ServeOptions:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    refuse_step_options(parser, step_name, args)
+    engine = EngineOptions.from_args(args)
+    refuse_step_options(parser, step_name, engine)
     return ServeOptions(
         args.model,
         args.host,
         args.port,
         args.api_key,
         args.served_model_name,
-        EngineOptions.from_args(args),
+        engine,
         args.engine_in_thread,
         args.max_request_bytes,
         args.kv_events_config,

@@ -129,14 +129,17 @@ def test_help_names_each_workloads_default(capsys) -> None:
         cli.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert (
-        "(default: 16 for shared-prefix, 24 for pressure, unused for scale, 32 for serving)" in text
-    )
-    assert (
-        "(default: room for every request at once for shared-prefix, 48 for pressure, "
-        "unused for scale, room for every request at once for serving)"
+        "(default: 16 for shared-prefix, 24 for pressure, unused for scale, 32 for serving, "
+        "unused for replicas)"
     ) in text
     assert (
-        "(default: 256 for shared-prefix, unused for pressure, unused for scale, 64 for serving)"
+        "(default: room for every request at once for shared-prefix, 48 for pressure, "
+        "unused for scale, room for every request at once for serving, room for every request at "
+        "once for replicas)"
+    ) in text
+    assert (
+        "(default: 256 for shared-prefix, unused for pressure, unused for scale, 64 for serving, "
+        "256 for replicas)"
     ) in text
 
 
@@ -313,8 +316,10 @@ def test_the_pressure_run_end_to_end(tmp_path: Path, capsys) -> None:
     assert len(data["settings"]["workload"]["eos"]) == 24
     first, second = data["rows"]
     assert first["seqs_per_round"] >= 4 and first["rounds"] > 0
-    keys = ("rounds", "seqs_scheduled", "seqs_per_round", "preemptions")
-    assert [first[k] for k in keys] == [second[k] for k in keys]
+    if not has_fix(last, "step14_9"):  # from it on, other rounds and preemptions (its README)
+        keys = ("rounds", "seqs_scheduled", "seqs_per_round", "preemptions")
+        assert [first[k] for k in keys] == [second[k] for k in keys]
+    assert second["rounds"] > 0
 
 
 def test_the_pressure_workload_is_documented() -> None:

@@ -226,7 +226,7 @@ def test_bad_serving_flags_are_one_error_line(argv: list[str], message: str, cap
 def test_the_rate_is_refused_for_other_workloads_and_defaults_are_the_workload_s(capsys) -> None:
     for other in ("shared-prefix", "scale"):
         line = bench_usage_error(["--workload", other, "--request-rate", "4"], capsys)
-        assert "--request-rate: only --workload serving reads it" in line
+        assert "--request-rate: only --workload serving and --workload replicas read it" in line
     args = cli.parse(["--workload", "serving"])
     assert serving.workload_of(args) == serving.ServingWorkload()
     assert (args.model, args.block_size, args.request_rate) == ("demo", 16, 16.0)

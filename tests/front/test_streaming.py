@@ -53,7 +53,7 @@ from front.stream import (
     shorten,
 )
 from front.text import TextOptions, generate_text
-from tests.helpers import STEP_NAMES, SUBPROCESS_TIMEOUT_S, edit_json, usage_error
+from tests.helpers import STEP_NAMES, SUBPROCESS_TIMEOUT_S, edit_json, has_fix, usage_error
 from tests.toy_checkpoint import byte_level_bpe
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -398,7 +398,10 @@ def test_messages_is_a_multi_turn_chat_through_the_template(
     assert echo == f"(4 messages) user: {CONVERSATION[-1]['content']}"
     assert answer == result.outputs[0]
     twice = run_main(STEP_NAMES[-1], [*argv, "--messages", str(path)] * 2, capsys)
-    assert "prefix cache: 2/2 requests hit" in twice
+    # Both requests hit before step14_9 (they leapfrog through the history); from it on the
+    # first computes the history in one chunk and the second adopts all of it.
+    hits = 1 if has_fix(STEP_NAMES[-1], "step14_9") else 2
+    assert f"prefix cache: {hits}/2 requests hit" in twice
 
 
 def test_generate_text_refuses_a_conversation_it_cannot_write(

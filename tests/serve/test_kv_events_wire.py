@@ -309,15 +309,13 @@ def test_the_server_publishes_its_engines_events(chat_checkpoint: Path) -> None:
 
 def test_the_flag_reads_vllms_keys(chat_checkpoint: Path) -> None:
 
-    options = parse_args(
-        "serve",
-        ["--model", str(chat_checkpoint), "--kv-events-config", '{"enable_kv_cache_events": true}'],
-    )
+    config = ["--kv-events-config", '{"enable_kv_cache_events": true}']
+    options = parse_args("serve", ["--model", str(chat_checkpoint), *config], STEP_NAMES[-1])
     assert options.kv_events == KVEventsConfig(enable_kv_cache_events=True)
     assert options.kv_events.publishes
     assert not kv_events_config('{"enable_kv_cache_events": true, "publisher": "null"}').publishes
     assert not kv_events_config("{}").publishes  # vLLM's default: off
-    assert parse_args("serve", ["--model", str(chat_checkpoint)]).kv_events is None
+    assert parse_args("serve", ["--model", str(chat_checkpoint)], STEP_NAMES[-1]).kv_events is None
 
 
 @pytest.mark.parametrize(
@@ -343,9 +341,8 @@ def test_a_bad_config_is_one_line_at_the_command_line(
     chat_checkpoint: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exit_:
-        parse_args(
-            "serve", ["--model", str(chat_checkpoint), "--kv-events-config", '{"topics": ""}']
-        )
+        config = ["--kv-events-config", '{"topics": ""}']
+        parse_args("serve", ["--model", str(chat_checkpoint), *config], STEP_NAMES[-1])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2
     assert err[-1].startswith("serve: error: argument --kv-events-config: unknown key 'topics'")

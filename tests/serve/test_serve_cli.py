@@ -55,7 +55,7 @@ def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--model", "{ckpt}", "--port", "70000"], "--port"),
         (["--model", "{ckpt}", "--total-blocks", "0"], "--total-blocks"),
         (["--model", "{ckpt}", "--dtype", "float8"], "not a dtype"),
-        (["--model", "{ckpt}", "--max-num-batched-tokens", "22"], "max_running - 1 = 23"),
+        (["--model", "{ckpt}", "--max-num-batched-tokens", "78"], "max_running - 1 = 79"),
     ],
 )
 def test_a_flag_it_cannot_use_is_one_line(
