@@ -2,8 +2,8 @@
 
 ``config.py`` (ModelConfig, presets), ``weights.py`` (seeded weights), ``layers.py`` (the Llama
 layers), ``checkpoint.py`` (a local Hugging Face checkpoint), ``errors.py``, ``hashing.py`` (the
-block hash), ``inputs.py`` (the request checks), ``sampling.py`` (what a request asks for and
-what a round hands back), ``sampler.py`` (the sampler every step shares), ``stats.py``
+block hash), ``inputs.py`` (the request checks), ``sampling_params.py`` (what a request asks
+for and what a round hands back), ``sampler.py`` (the sampler every step shares), ``stats.py``
 (EngineStats), ``kv_events.py``, and ``reference.py``: the dense reference model, the oracle
 every step is checked against.
 

@@ -18,7 +18,7 @@ import torch
 from .config import ModelConfig
 from .errors import ContextLengthError, RequestError
 from .numbers import cdiv, is_int
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 
 def blocks_for_request(prompt_len: int, max_new_tokens: int, block_size: int) -> int:

@@ -1,5 +1,5 @@
-"""Numbers: what counts as one in a request (the checks of ``inputs.py`` and ``sampling.py``),
-and ``cdiv``, the block arithmetic every layer does."""
+"""Numbers: what counts as one in a request (the checks of ``inputs.py`` and
+``sampling_params.py``), and ``cdiv``, the block arithmetic every layer does."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import torch
 from .config import ModelConfig
 from .layers import CausalLM, compute_dtype, rope_cos_sin
 from .sampler import SamplingState, sample
-from .sampling import GREEDY, SamplingParams
+from .sampling_params import GREEDY, SamplingParams
 
 
 class ReferenceModel(CausalLM):

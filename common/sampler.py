@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import MAX_SEED, SamplingParams, TokenLogprobs
+from .sampling_params import MAX_SEED, SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)

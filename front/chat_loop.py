@@ -30,7 +30,7 @@ from typing import Any, TextIO
 import torch
 
 from common.errors import CheckpointError, RequestError, one_line
-from common.sampling import RequestOutput, SamplingParams
+from common.sampling_params import RequestOutput, SamplingParams
 
 from .build import EngineBuilder, ModelSource
 from .cli import EngineOptions, HelpFormatter, add_engine_flags, add_model_flag, plural, text_of

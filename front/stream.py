@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from common.errors import RequestError
-from common.sampling import RequestOutput
+from common.sampling_params import RequestOutput
 
 from .cli import plural
 from .codec import Decode, Prompt

@@ -30,7 +30,7 @@ import torch
 from common.config import ModelConfig
 from common.errors import RequestError
 from common.inputs import Request, as_eos_ids, check_requests, long_context_warning
-from common.sampling import RequestOutput, SamplingParams
+from common.sampling_params import RequestOutput, SamplingParams
 
 from .build import EngineBuilder, ModelSource
 from .cli import EngineOptions, plural

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from common.config import ModelConfig
 from common.memory import kv_bytes_per_block
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 
 from .build import EngineBuilder, ModelSource
 from .cli import (

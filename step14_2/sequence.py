@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.sampler import PromptLogprobs
-from common.sampling import GREEDY, FinishReason, SamplingParams
+from common.sampling_params import GREEDY, FinishReason, SamplingParams
 from common.status import SequenceStatus  # WAITING -> PREFILLING -> RUNNING -> FINISHED
 
 __all__ = ["Sequence", "SequenceStatus"]

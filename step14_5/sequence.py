@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from common import hashing
 from common.sampler import PromptLogprobs
-from common.sampling import GREEDY, FinishReason, SamplingParams
+from common.sampling_params import GREEDY, FinishReason, SamplingParams
 from common.status import SequenceStatus  # WAITING -> PREFILLING -> RUNNING -> FINISHED
 
 __all__ = ["Sequence", "SequenceStatus"]

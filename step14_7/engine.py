@@ -7,7 +7,7 @@ blocks the cache already holds, then advances one chunk of ``block_size`` tokens
 block, so chunk boundaries are cache boundaries); a decoding sequence produces one token.
 Memory comes on demand: a block is taken when a token first needs it, and when none is left
 the youngest running sequence is preempted (its blocks go back; it recomputes later). Each new
-token is greedy or drawn (``common/sampling.py``), and ``step`` hands back what the round
+token is greedy or drawn (``common/sampler.py``), and ``step`` hands back what the round
 produced, request by request. Finished sequences give their blocks back. Every block that
 fills up, prompt or output, is cached at once, so the next sequence can adopt it. Every memory
 operation is the KV cache manager's (``kv_cache_manager.py``); this file is the round loop,
@@ -27,7 +27,7 @@ from common.inputs import Request, check_request, check_requests
 from common.kv_events import KVCacheEvent
 from common.observer import Observers, RoundObserver
 from common.sampler import SamplingState, sample
-from common.sampling import RequestOutput, SamplingParams, TokenLogprobs, with_seed
+from common.sampling_params import RequestOutput, SamplingParams, TokenLogprobs, with_seed
 from common.snapshot import PoolSnapshot
 from common.stats import EngineStats
 
@@ -96,7 +96,7 @@ class PagedPrefixCacheEngine:
         and says how to sample (greedy by default). Bad input raises ValueError and changes
         nothing."""
         cfg = self.model.cfg
-        return self._queue(
+        return self.add_checked_request(
             check_request(prompt_ids, max_new_tokens, eos_token_id, cfg, sampling_params)
         )
 
@@ -133,7 +133,7 @@ class PagedPrefixCacheEngine:
         ``sampling_params``: one for every prompt, or a list with one per prompt."""
         cfg = self.model.cfg
         requests = check_requests(prompts, max_new_tokens, eos_token_id, cfg, sampling_params)
-        return self._run([self._queue(r) for r in requests])
+        return self._run([self.add_checked_request(r) for r in requests])
 
     def generate_serial(
         self,
@@ -146,7 +146,7 @@ class PagedPrefixCacheEngine:
         """Serve prompts one at a time, through the same engine and cache."""
         cfg = self.model.cfg
         requests = check_requests(prompts, max_new_tokens, eos_token_id, cfg, sampling_params)
-        return [self._run([self._queue(r)])[0] for r in requests]
+        return [self._run([self.add_checked_request(r)])[0] for r in requests]
 
     def abort(self, request_id: int) -> list[int]:
         """Cancel a queued or running request at once: its blocks go back (full ones stay
@@ -216,7 +216,9 @@ class PagedPrefixCacheEngine:
 
     # ---- requests in, outputs out -----------------------------------------------------------
 
-    def _queue(self, request: Request) -> int:
+    def add_checked_request(self, request: Request) -> int:
+        """Queue a request that ``common.inputs.check_request`` passed against this model's
+        config, without checking it again (the server checks on its tokenizer thread)."""
         params = with_seed(request.sampling_params, self._seeds)
         seq = Sequence(
             self._next_id,

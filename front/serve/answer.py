@@ -19,7 +19,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, TypeVar
 
-from common.sampling import RequestOutput, SamplingParams
+from common.sampling_params import RequestOutput, SamplingParams
 
 from ..stream import IncrementalDetokenizer, StopStrings, answer_ids
 from . import responses

@@ -35,7 +35,7 @@ from typing import Any
 
 from common.config import ModelConfig
 from common.inputs import Request, check_request
-from common.sampling import RequestOutput, SamplingParams
+from common.sampling_params import RequestOutput, SamplingParams
 
 from .engine_core import (
     Abort,

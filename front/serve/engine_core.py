@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from common.errors import UserError, one_line
-from common.sampling import RequestOutput, SamplingParams
+from common.sampling_params import RequestOutput, SamplingParams
 
 # ---- the messages ----------------------------------------------------------------------------
 

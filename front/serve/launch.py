@@ -33,7 +33,7 @@ from common.checkpoint import GENERATION_CONFIG_FILE, read_json
 from common.config import ModelConfig
 from common.errors import CheckpointError, RequestError, UserError
 from common.inputs import check_fits_pool, long_context_warning
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 
 from ..build import EngineBuilder, ModelSource
 from ..codec import TextCodec

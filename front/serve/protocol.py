@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
-from common.sampling import MAX_SEED
+from common.sampling_params import MAX_SEED
 
 MAX_N = 128  # the most choices one request may ask for (OpenAI's limit)
 MAX_LOGPROBS = 20  # the most alternatives per token (vLLM's default --max-logprobs)

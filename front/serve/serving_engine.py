@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from common.errors import ContextLengthError, RequestError, one_line
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 
 from .answer import Answer, Choice
 from .async_llm import AsyncLLM

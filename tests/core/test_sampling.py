@@ -29,7 +29,7 @@ from common.sampler import (
     filter_logits,
     sample,
 )
-from common.sampling import RequestOutput, SamplingParams, TokenLogprobs
+from common.sampling_params import RequestOutput, SamplingParams, TokenLogprobs
 from front.steps import load_step
 from tests.engine.test_random_scenarios import new_engine, scenario
 from tests.helpers import (

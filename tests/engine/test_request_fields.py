@@ -20,7 +20,7 @@ import torch
 
 from common.errors import RequestError
 from common.reference import reference_generate
-from common.sampling import SamplingParams, TokenLogprobs
+from common.sampling_params import SamplingParams, TokenLogprobs
 from front.steps import load_step
 from tests.helpers import (
     EngineFactory,

@@ -37,7 +37,7 @@ import pytest
 import torch
 
 from common.errors import RequestError
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from tests.helpers import EngineFactory, edit_json, reference_tokens, run_python, tiny_config
 
 # ---- the engine's API: refused at the door, nothing changed --------------------------------------

@@ -30,7 +30,7 @@ import pytest
 from bench.batch import Row, RunResult
 from bench.costs import Floor
 from bench.rows import table
-from common.sampling import RequestOutput, SamplingParams
+from common.sampling_params import RequestOutput, SamplingParams
 from front.steps import STEPS, available_steps, load_step
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from common.errors import RequestError
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from front.codec import text_decoder
 from front.stream import IncrementalDetokenizer, StopStrings
 from front.text import TextOptions, generate_text

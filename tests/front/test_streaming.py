@@ -41,7 +41,7 @@ from tokenizers import Tokenizer
 
 from common.config import preset
 from common.errors import RequestError
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from front import build
 from front.cli import EngineOptions
 from front.codec import load_tokenizer, text_decoder

@@ -30,7 +30,7 @@ import pytest
 pytest.importorskip("fastapi")  # the serve extra: this is its engine front
 
 from common.errors import RequestError
-from common.sampling import RequestOutput, SamplingParams
+from common.sampling_params import RequestOutput, SamplingParams
 from front.serve.async_llm import (
     AsyncLLM,
     EngineDeadError,

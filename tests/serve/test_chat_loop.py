@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from front import main
 from front.chat_loop import ChatSession, chat
 from front.codec import TextCodec

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from front.codec import TextCodec
 from front.serve.serving_models import ServedModel
 from front.steps import load_step

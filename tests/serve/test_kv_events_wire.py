@@ -36,7 +36,7 @@ zmq = pytest.importorskip(
 msgspec = pytest.importorskip("msgspec", reason="the KV events' msgpack needs msgspec")
 
 from common import kv_events  # noqa: E402
-from common.sampling import SamplingParams  # noqa: E402
+from common.sampling_params import SamplingParams  # noqa: E402
 from front.serve.engine_core import Abort, AddRequest, Call, EngineCore, Stop  # noqa: E402
 from front.serve.kv_events import (  # noqa: E402
     DECODER,

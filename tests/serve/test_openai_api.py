@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import openai
 
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from front.codec import TextCodec
 from front.steps import load_step
 from front.text import TextOptions, generate_text

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from common.reference import ReferenceModel
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from front.text import TextOptions, generate_text
 from tests.serve.server_process import (
     API_KEY,

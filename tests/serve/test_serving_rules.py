@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from front.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
