@@ -169,11 +169,11 @@ def counting(engine: object) -> Iterator[TokenWork]:
     observer (``common/observer.py``): exact whichever tokens the cache saved, and nothing
     replaced. ``sampled`` is left for the caller (the tokens it got back)."""
     counter = TokenCounter()
-    engine.add_observer(counter)
+    engine.observer.add(counter)
     try:
         yield counter.work
     finally:
-        engine.remove_observer(counter)
+        engine.observer.remove(counter)
 
 
 def matmul_gflops(device: str = "cpu", n: int = MATMUL_N, repeats: int = 10) -> float:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .observer import RoundObserver
+
 
 @dataclass(frozen=True)
 class BlockStored:
@@ -59,3 +61,31 @@ def replay(events: list[KVCacheEvent], content: dict | None = None) -> dict:
                 content[block_hash] = (parent, tuple(event.token_ids[i * size : (i + 1) * size]))
                 parent = block_hash
     return content
+
+
+class KVEventLog(RoundObserver):
+    """The events of one engine's prefix cache, as its observer hears them, until ``take``n.
+
+    ``enable_kv_cache_events=True`` attaches one to the engine: the prefix cache only says
+    what it did (a block stored, a block evicted, the cache reset), in one named call each,
+    and this class writes it down as vLLM's events."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.events: list[KVCacheEvent] = []
+
+    def block_stored(
+        self, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...]
+    ) -> None:
+        self.events.append(BlockStored([block_hash], parent_hash, list(token_ids), self.block_size))
+
+    def block_removed(self, block_hash: int) -> None:
+        self.events.append(BlockRemoved([block_hash]))
+
+    def cache_reset(self, block_ids: list[int]) -> None:
+        self.events.append(AllBlocksCleared())
+
+    def take(self) -> list[KVCacheEvent]:
+        """The events since the last call, oldest first."""
+        taken, self.events = self.events, []
+        return taken

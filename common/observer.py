@@ -2,13 +2,14 @@
 
 Every step's engine and KV cache manager report each round's events here: a request admitted,
 a chunk or token scheduled, blocks adopted, allocated and evicted for it, a full block offered
-to the prefix cache, a request preempted or freed, the cache reset. The trace of
-``run.py --trace`` (``front/trace.py``) and the benchmark's count of the model's work
-are observers; neither changes a line of the engine or replaces any of its methods.
+to the prefix cache, a block stored in or evicted from it, a request preempted or freed, the
+cache reset. The KV cache events (``common/kv_events.py``), the trace of ``run.py --trace``
+(``front/trace.py``) and the benchmark's count of the model's work are observers; none
+changes a line of the engine or replaces any of its methods.
 
 This class is the default observer and ignores everything. A watcher subclasses it,
-overrides what it needs, and is attached with ``engine.add_observer(watcher)``
-(``remove_observer`` detaches it); several can watch one engine at once (``--trace`` and the
+overrides what it needs, and is attached with ``engine.observer.add(watcher)``
+(``engine.observer.remove`` detaches it); several can watch one engine at once (``--trace`` and the
 bench's count), each told every event in the order they were added (``Observers``). (A
 server's metrics are not an observer: they read the engine's stats and each round's outputs
 as ``AsyncLLM`` hands them on, in the server's process.) A method is
@@ -51,6 +52,15 @@ class RoundObserver:
         prefix cache: ``taken``, or refused (the cache holds that prefix already, or the block
         before it is not cached)."""
 
+    def block_stored(
+        self, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...]
+    ) -> None:
+        """The prefix cache took a full block under ``block_hash`` (its chain's parent:
+        ``parent_hash``; None for a first block): vLLM's ``BlockStored``."""
+
+    def block_removed(self, block_hash: int) -> None:
+        """The prefix cache evicted the block cached under ``block_hash``: ``BlockRemoved``."""
+
     def preempted(self, seq: Seq, for_seq: Seq) -> None:
         """``seq``, the youngest running request, goes back to the queue because ``for_seq``
         found no block (perhaps ``seq`` itself). Its ``freed`` follows."""
@@ -74,8 +84,8 @@ class Observers(RoundObserver):
     """The watchers of one engine: every event goes to each of them, in the order they were
     added. With nobody attached an event costs one loop over an empty list."""
 
-    def __init__(self) -> None:
-        self._watchers: list[RoundObserver] = []
+    def __init__(self, watchers: list[RoundObserver] | None = None) -> None:
+        self._watchers: list[RoundObserver] = list(watchers or [])
 
     def add(self, watcher: RoundObserver) -> None:
         if watcher in self._watchers:
@@ -109,6 +119,16 @@ class Observers(RoundObserver):
     def cached(self, seq: Seq, block_index: int, taken: bool) -> None:
         for w in self._watchers:
             w.cached(seq, block_index, taken)
+
+    def block_stored(
+        self, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...]
+    ) -> None:
+        for w in self._watchers:
+            w.block_stored(block_hash, parent_hash, token_ids)
+
+    def block_removed(self, block_hash: int) -> None:
+        for w in self._watchers:
+            w.block_removed(block_hash)
 
     def preempted(self, seq: Seq, for_seq: Seq) -> None:
         for w in self._watchers:

@@ -34,6 +34,7 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -52,6 +53,11 @@ class SamplingState:
     prompt_ids: Sequence[int]  # what repetition_penalty reads, with the output
     output_ids: Sequence[int]  # the tokens generated so far: the penalties' counts
     stop_ids: frozenset[int] = frozenset()  # eos and stop ids: what min_tokens holds back
+
+    @classmethod
+    def of(cls, seq: Any) -> SamplingState:
+        """The state of an engine's sequence (any step's ``Sequence``) at its next draw."""
+        return cls(seq.sampling_params, seq.prompt_ids, seq.generated_ids, seq.eos_token_ids)
 
     @property
     def num_drawn(self) -> int:
@@ -224,41 +230,3 @@ def token_logprobs(
         TokenLogprobs(token, logprob, tuple(zip(top_ids[i][:n], top_values[i][:n])))
         for i, (token, logprob, n) in enumerate(zip(token_ids, chosen, num_top))
     ]
-
-
-class PromptLogprobs:
-    """A request's prompt logprobs, gathered chunk by chunk as its prefill computes them (vLLM's
-    model runner keeps them in progress the same way, until the prompt's last chunk).
-
-    Row r of a chunk that starts at position ``start`` holds the logits that predict the token at
-    ``start + r + 1``. The first prompt token has nothing before it: None. A chunk computed
-    again (a preempted request prefills anew) adds nothing already known, so the list is the
-    same, and handed out once, however often the request was preempted.
-    """
-
-    def __init__(self, prompt_ids: Sequence[int], num_top: int) -> None:
-        self.prompt_ids = prompt_ids
-        self.num_top = num_top
-        self.entries: list[TokenLogprobs | None] = [None]
-
-    @property
-    def done(self) -> bool:
-        return len(self.entries) == len(self.prompt_ids)
-
-    def wants(self, start: int, num_tokens: int) -> bool:
-        """Do the logits of a chunk of ``num_tokens`` tokens from ``start`` predict a prompt
-        token whose logprobs are not known yet?"""
-        return not self.done and start + num_tokens >= len(self.entries)
-
-    def add(self, logits: torch.Tensor, start: int) -> None:
-        """The logits ``[T, vocab]`` of the chunk's T positions from ``start``: keep the
-        logprobs of the prompt tokens they predict that are not known yet."""
-        first = len(self.entries) - 1 - start  # the row that predicts the first unknown token
-        if first < 0:
-            raise ValueError(f"prompt positions {len(self.entries)}..{start} were skipped")
-        stop = min(logits.shape[0], len(self.prompt_ids) - 1 - start)
-        if first < stop:
-            targets = self.prompt_ids[start + 1 + first : start + 1 + stop]
-            self.entries += token_logprobs(
-                logits[first:stop], targets, [self.num_top] * len(targets)
-            )

@@ -45,9 +45,9 @@ class SamplingParams:
             its eos and stop ids cannot be drawn.
         logprobs: return, for every generated token, its log-probability and those of the
             ``logprobs`` most likely tokens (0: the token's own only; None: nothing).
-        prompt_logprobs: the same for every prompt token but the first. Such a request does
-            not read the prefix cache (vLLM's rule: the logits of every prompt position are
-            needed, so each is computed); its blocks are still cached for others.
+        prompt_logprobs: the same for every prompt token but the first, scored once
+            (``scoring.py``). Such a request does not read the prefix cache (vLLM's rule,
+            ``skip_reading_prefix_cache``); its blocks are still cached for others.
 
     The penalties and ``min_tokens`` apply to greedy requests too, before the argmax (vLLM's
     order); logprobs are the model's own (vLLM's default ``logprobs_mode``, "raw_logprobs"):
@@ -89,6 +89,13 @@ class SamplingParams:
             set_fields(self, name, None if value is None else int(value))
         set_fields(self, "top_k", max(int(self.top_k), 0))
         set_fields(self, "stop_token_ids", stop)
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """Does the request compute every prompt position, adopting nothing from the prefix
+        cache? vLLM's rule for one that asks for its prompt's logprobs: each position's logits
+        are needed. Its blocks are still cached for the others."""
+        return self.prompt_logprobs is not None
 
     def _checks(self) -> dict[str, tuple[bool, str]]:
         """Each field: is its value good, and what a good one is (vLLM's ranges)."""

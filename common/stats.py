@@ -5,6 +5,7 @@ requests (the tests hold them to it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -51,3 +52,20 @@ class EngineStats:
     def computed_tokens(self) -> int:
         """Tokens that went through the model: what the cache did not save."""
         return self.computed_prefill_tokens + self.computed_decode_tokens
+
+    def count_prefill_chunk(self, seq: Any, adopted: int, computed: int, hit: bool) -> None:
+        """A prefill chunk of a step's ``seq`` was scheduled: ``adopted`` tokens from the cache,
+        ``computed`` by the model, ``hit``: its first adoption. A request counts from its first
+        chunk; cache figures are about its prompt (the request's own too: vLLM's
+        ``num_cached_tokens``), and a resumed sequence's adoption is counted apart (it is what
+        makes recompute cheap)."""
+        self.computed_prefill_tokens += computed
+        if seq.num_preemptions:
+            self.resumed_cached_tokens += adopted
+            return
+        if seq.prefill_offset == 0:
+            self.requests += 1
+            self.prompt_tokens += seq.prompt_len
+        self.requests_hit += hit
+        self.cached_tokens += adopted
+        seq.num_cached_tokens += adopted

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from common.observer import RoundObserver
+from common.observer import Observers, RoundObserver
 from common.snapshot import PoolSnapshot
 from common.status import SequenceStatus
 
@@ -110,9 +110,7 @@ class WatchedEngine(Protocol):
     """What the trace uses of a step's engine: the observer hooks, and the pool's snapshot (who
     holds which block, what the cache holds, every ref_count). Nothing of its insides."""
 
-    def add_observer(self, observer: RoundObserver) -> None: ...
-
-    def remove_observer(self, observer: RoundObserver) -> None: ...
+    observer: Observers  # every watcher of the engine: ``add`` and ``remove`` one
 
     def snapshot(self) -> PoolSnapshot: ...
 
@@ -129,10 +127,10 @@ class RoundTracer(RoundObserver):
         # What each running request computes next, "token" or "chunk", from what it last did:
         # said of a request that finds no block (it may be preempted itself before it is told).
         self._next: dict[int, str] = {}
-        engine.add_observer(self)
+        engine.observer.add(self)
 
     def detach(self) -> None:
-        self.engine.remove_observer(self)
+        self.engine.observer.remove(self)
 
     # ---- the events -------------------------------------------------------------------------
 

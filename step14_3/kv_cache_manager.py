@@ -17,7 +17,6 @@ Each of these moves is also reported to the engine's observer (``common/observer
 from __future__ import annotations
 
 from common import hashing
-from common.kv_events import KVCacheEvent
 from common.numbers import cdiv
 from common.observer import NO_OBSERVER, RoundObserver
 from common.snapshot import PoolSnapshot
@@ -33,17 +32,14 @@ class KVCacheManager:
         total_blocks: int,
         block_size: int,
         enable_prefix_cache: bool,
-        enable_kv_cache_events: bool = False,
+        observer: RoundObserver = NO_OBSERVER,
     ) -> None:
         self.block_size = block_size
         self.block_manager = BlockManager(total_blocks)
-        self.events: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None
+        self.observer = observer  # the engine's: told of every block move
         self.prefix_cache = (
-            PrefixCache(self.block_manager, block_size, self.events)
-            if enable_prefix_cache
-            else None
+            PrefixCache(self.block_manager, block_size, observer) if enable_prefix_cache else None
         )
-        self.observer: RoundObserver = NO_OBSERVER  # the engine's: told of every block move
 
     @property
     def num_available_blocks(self) -> int:
@@ -63,11 +59,10 @@ class KVCacheManager:
         give the next token, so it is recomputed into a fresh block (shared blocks are
         read-only, and copy-on-write is never needed).
 
-        A request that asks for its prompt's logprobs reads nothing from the cache: each prompt
-        position's logits are needed, so each is computed (vLLM's ``get_computed_blocks`` does
-        the same). Its blocks are still cached for the others.
+        A request may skip reading the cache (vLLM's ``skip_reading_prefix_cache``); its
+        blocks are still cached for the others.
         """
-        if self.prefix_cache is None or seq.sampling_params.prompt_logprobs is not None:
+        if self.prefix_cache is None or seq.sampling_params.skip_reading_prefix_cache:
             return []
         return self._lookup_prefix_cache(seq)
 
@@ -100,14 +95,6 @@ class KVCacheManager:
             parent_id,
         )
         self.observer.cached(seq, block_idx, taken)
-
-    def take_events(self) -> list[KVCacheEvent]:
-        """The KV cache events since the last call, oldest first (empty when events are off)."""
-        if self.events is None:
-            return []
-        taken = list(self.events)
-        self.events.clear()  # in place: the prefix cache appends to this very list
-        return taken
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block: each goes back to the free pool (the caller makes sure no

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from common.observer import NO_OBSERVER, RoundObserver
 
 from .block_manager import BlockManager
 
@@ -38,13 +38,11 @@ class PrefixCache:
         self,
         block_manager: BlockManager,
         block_size: int,
-        events: list[KVCacheEvent] | None = None,
+        observer: RoundObserver = NO_OBSERVER,
     ) -> None:
         self.block_manager = block_manager
         self.block_size = block_size
-        # Where each change of the cache's content is recorded (vLLM's KV cache events); None:
-        # nothing is (the default: then a change costs one `is None` check, nothing more).
-        self.events = events
+        self.observer = observer  # told of each block stored and evicted (vLLM's KV events)
         self._by_hash: dict[int, CachedBlock] = {}
         self._by_block: dict[int, CachedBlock] = {}  # every cached block, by block id
         # The eviction queue: cached blocks no request holds (ref_count 1), least recently
@@ -112,11 +110,8 @@ class PrefixCache:
         self._by_block[block_id] = entry
         if parent_id is not None:
             self._by_block[parent_id].num_children += 1
-        if self.events is not None:
-            parent_hash = self._by_block[parent_id].block_hash if parent_id is not None else None
-            self.events.append(
-                BlockStored([block_hash], parent_hash, list(token_ids), self.block_size)
-            )
+        parent_hash = self._by_block[parent_id].block_hash if parent_id is not None else None
+        self.observer.block_stored(block_hash, parent_hash, entry.token_ids)
         return True
 
     def update_eviction_queue(self, block_ids: list[int]) -> None:
@@ -170,8 +165,6 @@ class PrefixCache:
         self._by_hash.clear()
         self._by_block.clear()
         self._evictable.clear()
-        if self.events is not None:
-            self.events.append(AllBlocksCleared())
         return cleared
 
     def _remove(self, entry: CachedBlock) -> None:
@@ -181,5 +174,4 @@ class PrefixCache:
         if entry.parent_id is not None:
             self._by_block[entry.parent_id].num_children -= 1
         self.block_manager.free([entry.block_id])  # the cache's reference: back to the pool
-        if self.events is not None:
-            self.events.append(BlockRemoved([entry.block_hash]))
+        self.observer.block_removed(entry.block_hash)

@@ -70,7 +70,6 @@ class TinyTransformerPaged(CausalLM):
         chunks: list[list[int]],
         block_tables: list[list[int]],
         start_positions: list[int],
-        logits_indices: list[int] | None = None,
     ) -> torch.Tensor:
         """Run many sequences' chunks as one flat batch; return each chunk's last logits.
 
@@ -80,10 +79,6 @@ class TinyTransformerPaged(CausalLM):
         attention needs to know where one sequence ends: it runs as one padded call per layer
         (``FlatBatch``). Returns ``[num_seqs, vocab]``: only the last token of a chunk is ever
         sampled, so only those rows go through the final norm and ``lm_head``.
-
-        ``logits_indices`` (vLLM's name): the rows of the flat batch whose logits are wanted
-        instead, in order; a request that asks for its prompt's logprobs needs every row of its
-        chunk. Returns ``[len(logits_indices), vocab]`` then.
         """
         for table, start, chunk in zip(block_tables, start_positions, chunks):
             self._check_block_table(table, start + len(chunk))
@@ -96,10 +91,7 @@ class TinyTransformerPaged(CausalLM):
             attn = self._padded_attention(layer_idx, q, batch)
             x = x + layer.self_attn.o_proj(attn.flatten(1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        rows = batch.last_rows
-        if logits_indices is not None:
-            rows = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
-        return self.lm_head(self.model.norm(x[rows]))
+        return self.lm_head(self.model.norm(x[batch.last_rows]))
 
     def _padded_attention(self, layer_idx: int, q: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
         """Every sequence's attention in one ``scaled_dot_product_attention`` call, on the

@@ -7,16 +7,15 @@ blocks the cache already holds, then advances one chunk of ``block_size`` tokens
 block, so chunk boundaries are cache boundaries); a decoding sequence produces one token.
 Memory comes on demand: a block is taken when a token first needs it, and when none is left
 the youngest running sequence is preempted (its blocks go back; it recomputes later). Each new
-token is greedy or drawn (``common/sampler.py``), and ``step`` hands back what the round
-produced, request by request. Finished sequences give their blocks back. Every block that
-fills up, prompt or output, is cached at once, so the next sequence can adopt it. Every memory
-operation is the KV cache manager's (``kv_cache_manager.py``); this file is the round loop,
-the public API and the figures.
+token is greedy or drawn (``common/sampler.py``). Finished sequences give their blocks back.
+Every block that fills up, prompt or output, is cached at once, so the next sequence can adopt
+it. Every memory operation is the KV cache manager's (``kv_cache_manager.py``); this file is
+the round loop and the public API. What only serving needs (outputs and their logprobs, KV
+events, watchers) lives in ``common/``, reached by a named call or two.
 """
 
 from __future__ import annotations
 
-import itertools
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -24,10 +23,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.inputs import Request, check_request, check_requests
-from common.kv_events import KVCacheEvent
-from common.observer import Observers, RoundObserver
+from common.kv_events import KVCacheEvent, KVEventLog
+from common.observer import Observers
+from common.outputs import OutputProcessor
 from common.sampler import SamplingState, sample
-from common.sampling_params import RequestOutput, SamplingParams, TokenLogprobs, with_seed
+from common.sampling_params import RequestOutput, SamplingParams, with_seed
 from common.snapshot import PoolSnapshot
 from common.stats import EngineStats
 
@@ -50,13 +50,6 @@ class ScheduledChunk:
         """The KV of the sequence's first ``end`` tokens is in the pool once it is computed."""
         return self.start + len(self.token_ids)
 
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        """Do its logits give prompt logprobs that its request asked for and lacks? Then the
-        logits of every row of the chunk are needed, not only the last row's."""
-        wanted = self.seq.prompt_logprobs
-        return wanted is not None and wanted.wants(self.start, len(self.token_ids))
-
 
 class PagedPrefixCacheEngine:
     def __init__(
@@ -69,16 +62,16 @@ class PagedPrefixCacheEngine:
     ) -> None:
         self.model = model
         self.block_size = model.cfg.block_size
+        self.kv_events = KVEventLog(self.block_size)  # vLLM's KV cache events, when enabled
+        # Whoever watches (``observer.add(watcher)``): the trace, the bench, the KV events.
+        self.observer = Observers([self.kv_events] if enable_kv_cache_events else [])
         self.kv_cache_manager = KVCacheManager(
-            model.cfg.total_blocks, self.block_size, enable_prefix_cache, enable_kv_cache_events
+            model.cfg.total_blocks, self.block_size, enable_prefix_cache, self.observer
         )
         self.scheduler = PagedScheduler(max_running)
-        self.observer = Observers()  # whoever watches: the trace, the bench's count of work
-        self.kv_cache_manager.observer = self.observer
+        self.outputs = OutputProcessor(model)  # RequestOutputs, and finished ids until popped
         self._counters = EngineStats()
         self._next_id = 0
-        self._outputs: dict[int, list[int]] = {}
-        self._aborted: list[RequestOutput] = []  # reported by the next step()
         self._seeds = random.Random(seed)  # a seed for each request that brings none
 
     # ---- public API -------------------------------------------------------------------------
@@ -104,22 +97,17 @@ class PagedPrefixCacheEngine:
     def has_work(self) -> bool:
         """A request is queued or running, or an abort waits for ``step()`` to report it: a
         ``while engine.has_work: engine.step()`` loop sees every request end."""
-        return self.scheduler.has_work or bool(self._aborted)
+        return self.scheduler.has_work or bool(self.outputs.aborted)
 
     def step(self) -> list[RequestOutput]:
         """One round of continuous batching: every scheduled sequence in one model call.
         Returns the round's outputs: one per request that produced a token or ended."""
         work = list(self._schedule())
-        sampled, logprobs = [], []
         if work:
             last_logits = self._forward(work)
-            for w in work:
-                self._computed(w)
-            rows = [i for i, w in enumerate(work) if self._samples(w.seq)]
-            sampled = [work[i].seq for i in rows]
-            # the round's rows sampled together
-            logprobs = self._sample(last_logits[rows], sampled)
-        return self._finish_round([w.seq for w in work], sampled, logprobs)
+            rows = [i for i, w in enumerate(work) if self._computed(w)]  # rows that give a token
+            self._sample(last_logits[rows], [work[i].seq for i in rows])  # sampled together
+        return self._finish_round([w.seq for w in work])
 
     def generate(
         self,
@@ -150,14 +138,12 @@ class PagedPrefixCacheEngine:
 
     def abort(self, request_id: int) -> list[int]:
         """Cancel a queued or running request at once: its blocks go back (full ones stay
-        cached) and nothing more is generated. Returns the ids generated so far; KeyError if
-        the request is not queued or running. The next ``step()`` reports its end
-        (finish_reason "abort"), and ``has_work`` stays True until it has, even when it was
-        the last request."""
+        cached). Returns the ids generated so far; KeyError if it is not queued or running. The
+        next ``step()`` reports its end ("abort"); ``has_work`` stays True until it has."""
         seq = self.scheduler.remove(request_id)
         self.kv_cache_manager.free(seq)
         seq.abort()
-        self._aborted.append(self._output(seq, [], []))
+        self.outputs.abort(seq)
         return list(seq.generated_ids)
 
     def reset_prefix_cache(self) -> bool:
@@ -169,30 +155,17 @@ class PagedPrefixCacheEngine:
         return True
 
     def take_events(self) -> list[KVCacheEvent]:
-        """What happened to the prefix cache since the last call, oldest first: vLLM's KV cache
-        events (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``). Needs
-        ``enable_kv_cache_events=True``; otherwise always empty."""
-        return self.kv_cache_manager.take_events()
-
-    def add_observer(self, observer: RoundObserver) -> None:
-        """Tell ``observer`` every event of every round from now on (``common/observer.py``),
-        besides whoever watches already: the trace and the bench's count can watch together."""
-        self.observer.add(observer)
-
-    def remove_observer(self, observer: RoundObserver) -> None:
-        """Stop telling ``observer``; ValueError if it was not attached."""
-        self.observer.remove(observer)
+        """The prefix cache's changes since the last call, oldest first: vLLM's KV cache events
+        (``common/kv_events.py``). Empty unless ``enable_kv_cache_events=True``."""
+        return self.kv_events.take()
 
     def snapshot(self) -> PoolSnapshot:
         """The pool now, and who holds which block: a copy for a watcher to read."""
         return self.kv_cache_manager.snapshot(self.scheduler.running, list(self.scheduler.waiting))
 
     def pop_output(self, request_id: int) -> list[int]:
-        """The generated ids of a finished request, handed out once (``add_request`` + ``step``
-        users call this when the request is done)."""
-        if request_id not in self._outputs:
-            raise KeyError(f"request {request_id} has not finished, or its output was taken")
-        return self._outputs.pop(request_id)
+        """The generated ids of a finished request, handed out once."""
+        return self.outputs.pop_output(request_id)
 
     @property
     def stats(self) -> EngineStats:
@@ -220,13 +193,8 @@ class PagedPrefixCacheEngine:
         """Queue a request that ``common.inputs.check_request`` passed against this model's
         config, without checking it again (the server checks on its tokenizer thread)."""
         params = with_seed(request.sampling_params, self._seeds)
-        seq = Sequence(
-            self._next_id,
-            request.prompt_ids,
-            request.max_new_tokens,
-            request.eos_token_ids,
-            sampling_params=params,
-        )
+        r = request
+        seq = Sequence(self._next_id, r.prompt_ids, r.max_new_tokens, r.eos_token_ids, params)
         self._next_id += 1
         self.scheduler.add(seq)
         return seq.seq_id
@@ -285,7 +253,7 @@ class PagedPrefixCacheEngine:
         first_hit = bool(hits) and not seq.hit_block_ids
         if not self._allocate_slots(seq, start + len(chunk), hits, may_preempt):
             return None
-        self._count_prefill_chunk(seq, len(hits) * self.block_size, len(chunk), first_hit)
+        self._counters.count_prefill_chunk(seq, len(hits) * self.block_size, len(chunk), first_hit)
         seq.advance_prefill(start)  # the adopted blocks' tokens are in the pool
         self.observer.scheduled(seq, start, len(chunk))
         # Registered now, before the forward pass that writes it: a sequence scheduled later
@@ -337,125 +305,43 @@ class PagedPrefixCacheEngine:
                 return False
         return True
 
-    def _count_prefill_chunk(self, seq: Sequence, adopted: int, computed: int, hit: bool) -> None:
-        """A request counts from its first chunk; cache figures are about its prompt, and a
-        resumed sequence's adoption is counted apart (it is what makes recompute cheap)."""
-        c = self._counters
-        c.computed_prefill_tokens += computed
-        if seq.num_preemptions:
-            c.resumed_cached_tokens += adopted
-            return
-        if seq.prefill_offset == 0:
-            c.requests += 1
-            c.prompt_tokens += seq.prompt_len
-        c.requests_hit += hit
-        c.cached_tokens += adopted
-        seq.num_cached_tokens += adopted
-
     @staticmethod
-    def _computed(work: ScheduledChunk) -> None:
+    def _computed(work: ScheduledChunk) -> bool:
         """The model has computed ``work``: a prefilling sequence's KV now reaches the chunk's
-        end, and once that is the whole prompt it decodes."""
+        end, and once that is the whole prompt it decodes. Returns whether the chunk's last row
+        gives the sequence's next token: yes once it decodes (a decode token, or the chunk that
+        ended its prompt); a chunk in the middle of a prompt has nothing to say yet."""
         if work.seq.status is SequenceStatus.PREFILLING:
             work.seq.advance_prefill(work.end)
-
-    @staticmethod
-    def _samples(seq: Sequence) -> bool:
-        """Does the row just computed give the sequence's next token? Yes once it decodes (a
-        decode token, or the chunk that ended its prompt); a chunk in the middle of a prompt
-        has nothing to say yet."""
-        return seq.status is SequenceStatus.RUNNING
+        return work.seq.status is SequenceStatus.RUNNING
 
     def _forward(self, work: list[ScheduledChunk]) -> torch.Tensor:
         """The round's one model call; returns each chunk's last row of logits (the one a
-        sampling sequence samples from).
-
-        A chunk whose request wants its prompt's logprobs needs the logits of all its rows.
-        The model computes them for those rows alone (vLLM's ``logits_indices``: the rows of
-        the flat batch that go through the final norm and the LM head; its model runner then
-        takes a request's prompt logprobs from them), and they go to the request.
-        """
-        full = [w.wants_prompt_logprobs for w in work]
-        indices = logits_indices([len(w.token_ids) for w in work], full) if any(full) else None
-        logits = self.model.forward_batched(
+        sampling sequence samples from)."""
+        return self.model.forward_batched(
             [w.token_ids for w in work],
             [w.seq.block_table for w in work],
             [w.start for w in work],
             self._num_shared_blocks(work),
-            logits_indices=indices,
         )
-        if indices is None:
-            return logits
-        counts = [len(w.token_ids) if f else 1 for w, f in zip(work, full)]
-        ends = list(itertools.accumulate(counts))  # each chunk's rows end there, in ``logits``
-        for w, f, end in zip(work, full, ends):
-            if f:
-                w.seq.prompt_logprobs.add(logits[end - len(w.token_ids) : end], w.start)
-        return logits[[end - 1 for end in ends]]
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[TokenLogprobs | None]:
-        """The next token of each sequence from its row of logits, appended; returns each
-        token's logprobs (None where not asked). The sampler reads the sequence's own params and
-        tokens alone, and its k-th draw depends on its seed and k alone, so batching, preemption
-        and the cache never change it."""
-        states = [
-            SamplingState(seq.sampling_params, seq.prompt_ids, seq.generated_ids, seq.eos_token_ids)
-            for seq in seqs
-        ]
-        out = sample(logits, states)
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """The next token of each sequence from its row of logits, appended (and handed to the
+        outputs, with its logprobs if asked). A sequence's k-th draw depends on its own params,
+        tokens, seed and k alone: batching, preemption and the cache never change it."""
+        out = sample(logits, [SamplingState.of(seq) for seq in seqs])
         for seq, token in zip(seqs, out.token_ids):
             seq.append_token(token)
-        return out.logprobs
+        self.outputs.sampled(seqs, out.logprobs)
 
-    def _finish_round(
-        self,
-        scheduled: list[Sequence],
-        sampled: list[Sequence],
-        logprobs: list[TokenLogprobs | None],
-    ) -> list[RequestOutput]:
-        """Finished sequences give their blocks back and hand in their output; every sequence
-        that produced a token (and every request aborted since the last round) is reported,
-        with its token's ``logprobs`` (one per sampled sequence)."""
+    def _finish_round(self, scheduled: list[Sequence]) -> list[RequestOutput]:
+        """Finished sequences give their blocks back; the round's outputs: one per sequence that
+        produced a token, and one per abort since the last round."""
         self._counters.rounds += bool(scheduled)
         self._counters.seqs_scheduled += len(scheduled)
-        for seq in scheduled:
-            if seq.status is SequenceStatus.FINISHED:
-                self.kv_cache_manager.free(seq)
-                self._outputs[seq.seq_id] = seq.generated_ids
+        finished = [seq for seq in scheduled if seq.status is SequenceStatus.FINISHED]
+        for seq in finished:
+            self.kv_cache_manager.free(seq)
         self.scheduler.remove_finished()
         self.observer.round_ended()
-        outputs, self._aborted = self._aborted, []
-        new = zip(sampled, logprobs, strict=True)
-        return outputs + [self._output(seq, seq.generated_ids[-1:], [lp]) for seq, lp in new]
-
-    @staticmethod
-    def _output(
-        seq: Sequence, new_token_ids: list[int], logprobs: list[TokenLogprobs | None]
-    ) -> RequestOutput:
-        """What the round did for ``seq``. Logprobs only if the request asked: the new
-        tokens' (``logprobs``), and the prompt's once, with the request's first token."""
-        finished = seq.status is SequenceStatus.FINISHED
-        generated = list(seq.generated_ids)
-        prompt, first_token = seq.prompt_logprobs, bool(new_token_ids) and len(generated) == 1
-        return RequestOutput(
-            seq.seq_id,
-            new_token_ids,
-            generated,
-            finished,
-            seq.finish_reason,
-            seq.num_cached_tokens,
-            logprobs=None if seq.sampling_params.logprobs is None else list(logprobs),
-            prompt_logprobs=list(prompt.entries) if prompt is not None and first_token else None,
-        )
-
-
-def logits_indices(lengths: list[int], full: list[bool]) -> list[int]:
-    """The rows of the round's flat batch whose logits are computed: every row of chunk ``i``
-    if ``full[i]``, else its last one alone (``lengths``: each chunk's tokens, in order)."""
-    ends = list(itertools.accumulate(lengths))
-    return [
-        row
-        for end, n, f in zip(ends, lengths, full)
-        for row in range(end - n if f else end - 1, end)
-    ]
+        return self.outputs.round_outputs(finished)

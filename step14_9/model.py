@@ -72,7 +72,6 @@ class TinyTransformerPaged(CausalLM):
         block_tables: list[list[int]],
         start_positions: list[int],
         num_shared_blocks: int = 0,
-        logits_indices: list[int] | None = None,
     ) -> torch.Tensor:
         """Run many sequences' chunks as one flat batch; return each chunk's last logits.
 
@@ -87,11 +86,6 @@ class TinyTransformerPaged(CausalLM):
         would pad every decode row to its length. So chunks longer than a block attend on grids
         of their own, by length (``chunk_groups``), beside the grid of the rest; the flat batch
         holds the groups one after another, and the logits come back in the callers' order.
-
-        ``logits_indices`` (vLLM's name): the rows of the flat batch whose logits are wanted
-        instead, in order, counting the chunks' tokens in the callers' order; a request that
-        asks for its prompt's logprobs needs every row of its chunk. Returns
-        ``[len(logits_indices), vocab]`` then.
 
         ``num_shared_blocks``: the leading blocks every table holds, before every chunk (the
         engine counts them): attention reads them once for all (``_cascade_attention``).
@@ -124,9 +118,6 @@ class TinyTransformerPaged(CausalLM):
             )
             x = x + layer.self_attn.o_proj(attn.flatten(1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        if logits_indices is not None:  # counted in the callers' order: where x holds them
-            rows = callers_rows([len(chunk) for chunk in chunks], groups)[logits_indices]
-            return self.lm_head(self.model.norm(x[rows.to(self.device)]))
         last_rows = joined(b.last_rows + lo for b, (lo, _) in zip(batches, spans))
         logits = self.lm_head(self.model.norm(x[last_rows]))
         if len(groups) == 1:
@@ -367,17 +358,6 @@ def chunk_groups(lengths: list[int], block_size: int) -> list[list[int]]:
 
     keys = [group(n) for n in lengths]
     return [[i for i, key in enumerate(keys) if key == k] for k in sorted(set(keys))]
-
-
-def callers_rows(lengths: list[int], groups: list[list[int]]) -> torch.Tensor:
-    """The row of the flat batch that holds each token of the round, the tokens taken in the
-    callers' order (chunk by chunk, as ``lengths`` gives them): the batch holds the groups one
-    after another."""
-    starts, row = [0] * len(lengths), 0
-    for group in groups:
-        for i in group:
-            starts[i], row = row, row + lengths[i]
-    return torch.tensor([starts[i] + j for i, n in enumerate(lengths) for j in range(n)])
 
 
 def joined(parts: Iterable[torch.Tensor]) -> torch.Tensor:

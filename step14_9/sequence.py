@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common import hashing
-from common.sampler import PromptLogprobs
 from common.sampling_params import GREEDY, FinishReason, SamplingParams
 from common.status import SequenceStatus  # WAITING -> PREFILLING -> RUNNING -> FINISHED
 
@@ -41,16 +40,9 @@ class Sequence:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens adopted from the cache (before any preemption)
     finish_reason: FinishReason | None = None  # why it ended, once FINISHED
-    # The prompt's logprobs as prefill computes them, when the request asks for them.
-    prompt_logprobs: PromptLogprobs | None = None
     # Chain hashes of the full blocks, prompt and output, computed so far (vLLM:
     # Request.block_hashes). Tokens never change, so they stay valid across a preemption.
     block_hashes: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        num_top = self.sampling_params.prompt_logprobs
-        if num_top is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs = PromptLogprobs(self.prompt_ids, num_top)
 
     @property
     def prompt_len(self) -> int:

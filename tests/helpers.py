@@ -225,7 +225,7 @@ def log_schedules(engine) -> list[list[int]]:
         def scheduled(self, seq, start: int, num_tokens: int) -> None:
             log[-1].append(seq.seq_id)
 
-    engine.add_observer(Log())
+    engine.observer.add(Log())
     return log
 
 

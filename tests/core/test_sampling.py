@@ -19,10 +19,10 @@ from functools import cache
 import pytest
 import torch
 
+from common import scoring
 from common.errors import RequestError
 from common.reference import reference_generate
 from common.sampler import (
-    PromptLogprobs,
     SamplingState,
     apply_min_tokens_and_penalties,
     exponentials,
@@ -33,7 +33,6 @@ from common.sampling_params import RequestOutput, SamplingParams, TokenLogprobs
 from front.steps import load_step
 from tests.engine.test_random_scenarios import new_engine, scenario
 from tests.helpers import (
-    TINY,
     EngineFactory,
     budget_args,
     has_fix,
@@ -400,23 +399,26 @@ def test_logprobs_are_the_models_raw_ones() -> None:
     assert out.logprobs[1].top == () and len(out.logprobs[4].top) == 40
 
 
-def test_prompt_logprobs_gather_chunk_by_chunk_once() -> None:
-    """Chunk after chunk (a resumed request's repeated chunks add nothing): row r of a chunk
-    from ``start`` predicts the prompt token at ``start + r + 1``; the first has None."""
-    prompt = tokens(7, 11)
-    logits = torch.randn(11, TINY.vocab_size, dtype=torch.float64)
-    expected = [None] + [plain_logprobs(logits[p - 1], prompt[p], 2) for p in range(1, 11)]
-    gathered = PromptLogprobs(prompt, 2)
-    chunks = [(0, 4, True), (4, 8, True), (0, 4, False), (4, 8, False), (8, 11, True)]
-    for start, end, new in chunks:  # preempted after 8 tokens, then the same chunks again
-        assert gathered.wants(start, end - start) == new
-        gathered.add(logits[start:end], start)
-    assert gathered.entries == expected and gathered.done
-    assert not gathered.wants(8, 3)
-    skipped = PromptLogprobs(prompt, 2)
-    with pytest.raises(ValueError, match="skipped"):
-        skipped.add(logits[4:8], 4)
-    assert PromptLogprobs([5], 1).done  # one token: nothing comes before it
+@pytest.mark.parametrize("max_scores", [scoring.MAX_SCORES, 64], ids=["whole", "blocks"])
+def test_the_scoring_pass_gives_the_references_prompt_logprobs(
+    monkeypatch: pytest.MonkeyPatch, max_scores: int
+) -> None:
+    """``common/scoring.py``: row ``p - 1`` of the dense reference's log_softmax, in float64,
+    for every prompt token ``p`` but the first (None); cut into blocks of a few query rows and
+    a few rows of logits, the same numbers. A one-token prompt has nothing to score."""
+    monkeypatch.setattr(scoring, "MAX_SCORES", max_scores)
+    cfg = tiny_config(dtype=torch.float64)
+    model, prompt = reference_model(cfg), tokens(7, 11)
+    with torch.inference_mode():
+        logprobs = model(prompt).double().log_softmax(-1)
+    got = scoring.prompt_logprobs(model, prompt, 2)
+    assert got[0] is None and len(got) == len(prompt)
+    for p in range(1, len(prompt)):
+        want = plain_logprobs(logprobs[p - 1], prompt[p], 2)
+        assert got[p].token_id == want.token_id
+        assert [t for t, _ in got[p].top] == [t for t, _ in want.top]
+        assert abs(got[p].logprob - want.logprob) <= 1e-9
+    assert scoring.prompt_logprobs(model, prompt[:1], 2) == [None]
 
 
 def test_request_outputs_merge_for_a_slow_reader() -> None:

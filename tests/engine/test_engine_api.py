@@ -254,18 +254,18 @@ def test_two_observers_hear_every_event_and_each_can_leave(make_engine: EngineFa
     same watcher twice, or removing a stranger, is refused."""
     engine = make_engine()
     first, second = EventLog(), EventLog()
-    engine.add_observer(first)
-    engine.add_observer(second)
+    engine.observer.add(first)
+    engine.observer.add(second)
     with pytest.raises(ValueError):
-        engine.add_observer(first)
+        engine.observer.add(first)
     engine.generate([tokens(1000, 2 * BS + 1), tokens(1001, 3)], 3)
     assert first.events == second.events and {"round_started", "freed"} <= set(first.events)
-    engine.remove_observer(first)
+    engine.observer.remove(first)
     heard = len(first.events)
     engine.generate([tokens(1002, 3)], 2)
     assert len(first.events) == heard and len(second.events) > heard
     with pytest.raises(ValueError):
-        engine.remove_observer(first)
+        engine.observer.remove(first)
 
 
 def test_snapshot_shows_the_pool_and_is_a_copy(make_engine: EngineFactory) -> None:

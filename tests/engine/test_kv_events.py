@@ -164,8 +164,7 @@ def test_with_events_off_nothing_is_recorded(step: ModuleType) -> None:
     assert engine.stats.evictions > 0
     assert engine.reset_prefix_cache()
     assert engine.take_events() == []
-    assert engine.kv_cache_manager.events is None
-    assert engine.kv_cache_manager.prefix_cache.events is None
+    assert engine.kv_events.events == []  # the log was never attached
 
 
 def test_with_the_prefix_cache_off_there_is_nothing_to_report(step: ModuleType) -> None:

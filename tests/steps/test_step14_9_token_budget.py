@@ -69,7 +69,7 @@ class Rounds(RoundObserver):
 
 def watched(engine) -> Rounds:
     rounds = Rounds()
-    engine.add_observer(rounds)
+    engine.observer.add(rounds)
     return rounds
 
 
