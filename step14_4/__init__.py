@@ -1,10 +1,11 @@
-"""One step of the paged prefix-cache tutorial: a complete engine (see this folder's README).
+"""Lazy, not plain, imports: so that Ctrl-C while torch loads ends ``run`` in one line.
 
-The names below load when first used (a module ``__getattr__``, PEP 562; vLLM's own
-``__init__`` does the same with its ``MODULE_ATTRS``): ``from <step> import
-PagedPrefixCacheEngine`` reads as usual, and importing the package alone costs nothing. So
-``python -m <step>.run`` answers Ctrl-C with one line even while torch, seconds of importing,
-is still loading.
+One step of the paged prefix-cache tutorial, a complete engine (see this folder's README).
+``from <step> import PagedPrefixCacheEngine`` reads as usual: the module ``__getattr__`` below
+(PEP 562; vLLM's own ``__init__`` does the same with its ``MODULE_ATTRS``) imports a name's
+module when the name is first used. Python imports this package before ``run.py`` can catch
+anything, so with plain imports Ctrl-C during torch's seconds of importing would end
+``python -m <step>.run`` in a traceback; here importing the package alone costs nothing.
 """
 
 from __future__ import annotations
