@@ -9,6 +9,7 @@ really there before it, is checked by the step's own file, ``test_step14_*.py``.
 from __future__ import annotations
 
 import ast
+import difflib
 from itertools import pairwise
 from pathlib import Path
 
@@ -154,3 +155,46 @@ def test_no_module_imports_itself_in_a_circle() -> None:
 
     for name in sorted(graph):
         visit(name, ())
+
+
+# ---- the chapter first: line budgets ----------------------------------------------------------
+
+ENGINE_BUDGET = 330  # step14/engine.py: the chapter's round loop and public API
+# (before, after): most lines a step's diff adds and removes, README and bytecode aside (the
+# count of ``diff -ru -x README.md -x __pycache__ before after``).
+DIFF_BUDGETS = {("step14_6", "step14_7"): 210, ("step14_8", "step14_9"): 140}
+
+
+def changed_lines(before: str, after: str) -> list[str]:
+    """The lines ``after`` adds to and removes from ``before``'s files."""
+    old, new = step_files(before), step_files(after)
+    lines = []
+    for name in sorted(set(old) - {"README.md"}):
+        diff = difflib.unified_diff(
+            old[name].decode().splitlines(), new[name].decode().splitlines(), lineterm="", n=0
+        )
+        lines += [ln for ln in diff if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
+    return lines
+
+
+def test_the_chapters_engine_fits_its_budget() -> None:
+    """What only serving needs lives in common/: the engine a learner reads stays short."""
+    lines = (ROOT / "step14" / "engine.py").read_text().count("\n")
+    assert lines <= ENGINE_BUDGET, f"step14/engine.py has {lines} lines, over {ENGINE_BUDGET}"
+
+
+@pytest.mark.parametrize(("before", "after"), list(DIFF_BUDGETS), ids=[a for _, a in DIFF_BUDGETS])
+def test_a_steps_diff_fits_its_budget(before: str, after: str) -> None:
+    if after not in STEP_NAMES:
+        pytest.skip(f"{after} is not in this checkout")
+    lines = changed_lines(before, after)
+    assert len(lines) <= DIFF_BUDGETS[before, after], f"{before} -> {after}: {len(lines)} lines"
+    assert not [ln for ln in lines if "logprob" in ln.lower()], "the diff says one idea"
+
+
+@pytest.mark.parametrize("step_name", STEP_NAMES)
+def test_no_step_file_mentions_prompt_logprobs(step_name: str) -> None:
+    """A request's prompt logprobs are scored beside the steps (``common/scoring.py``)."""
+    for name, content in step_files(step_name).items():
+        if name.endswith(".py"):
+            assert b"prompt_logprobs" not in content and b"prompt logprobs" not in content, name
