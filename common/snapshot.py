@@ -8,8 +8,10 @@ of the pool: it is a watcher's tool, and nothing in the round loop calls it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,24 @@ class PoolSnapshot:
     cached: frozenset[int]  # blocks the prefix cache holds (one reference each)
     running: dict[int, tuple[int, ...]]  # request id -> block table, oldest request first
     waiting: dict[int, tuple[int, ...]]  # request id -> block table, head of the queue first
+
+    @classmethod
+    def of(
+        cls, kv_cache_manager: Any, running: Iterable[Any], waiting: Iterable[Any]
+    ) -> PoolSnapshot:
+        """The pool of a step's ``kv_cache_manager`` as it is now, with the block tables of the
+        ``running`` and ``waiting`` requests (it visits every block: a watcher's tool)."""
+        bm, cache = kv_cache_manager.block_manager, kv_cache_manager.prefix_cache
+        refs = {b: bm.ref_count(b) for b in range(bm.total_blocks) if bm.ref_count(b)}
+        return cls(
+            bm.total_blocks,
+            kv_cache_manager.block_size,
+            bm.num_free,
+            refs,
+            frozenset(cache) if cache is not None else frozenset(),
+            {seq.seq_id: tuple(seq.block_table) for seq in running},
+            {seq.seq_id: tuple(seq.block_table) for seq in waiting},
+        )
 
     def ref_count(self, block_id: int) -> int:
         return self.ref_counts.get(block_id, 0)

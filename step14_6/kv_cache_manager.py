@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from common.numbers import cdiv
 from common.observer import NO_OBSERVER, RoundObserver
-from common.snapshot import PoolSnapshot
 
 from .block_manager import BlockManager
 from .prefix_cache import PrefixCache
@@ -162,21 +161,6 @@ class KVCacheManager:
             "blocks_used": bm.total_blocks - self.num_available_blocks,
             "blocks_peak": bm.peak_used,
         }
-
-    def snapshot(self, running: list[Sequence], waiting: list[Sequence]) -> PoolSnapshot:
-        """The pool as it is now, with the block tables of the ``running`` and ``waiting``
-        requests: a copy for a watcher (it visits every block; the round loop never calls it)."""
-        bm = self.block_manager
-        refs = {b: bm.ref_count(b) for b in range(bm.total_blocks) if bm.ref_count(b)}
-        return PoolSnapshot(
-            bm.total_blocks,
-            self.block_size,
-            bm.num_free,
-            refs,
-            frozenset(self.prefix_cache) if self.prefix_cache is not None else frozenset(),
-            {seq.seq_id: tuple(seq.block_table) for seq in running},
-            {seq.seq_id: tuple(seq.block_table) for seq in waiting},
-        )
 
     def ref_count_problems(self) -> list[str]:
         """With no request running, every block is free (ref_count 0) or held by the cache

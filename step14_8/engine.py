@@ -161,7 +161,9 @@ class PagedPrefixCacheEngine:
 
     def snapshot(self) -> PoolSnapshot:
         """The pool now, and who holds which block: a copy for a watcher to read."""
-        return self.kv_cache_manager.snapshot(self.scheduler.running, list(self.scheduler.waiting))
+        return PoolSnapshot.of(
+            self.kv_cache_manager, self.scheduler.running, self.scheduler.waiting
+        )
 
     def pop_output(self, request_id: int) -> list[int]:
         """The generated ids of a finished request, handed out once."""
