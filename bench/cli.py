@@ -14,6 +14,7 @@ import sys
 from dataclasses import replace
 
 from common.config import PRESETS
+from front.build import set_threads
 from front.cli import (
     HelpFormatter,
     add_engine_flags,
@@ -23,7 +24,7 @@ from front.cli import (
     writable_folder,
 )
 from front.exits import report_user_errors
-from front.steps import available_steps
+from front.steps import available_steps, not_taken_by
 
 from .cells import SPREAD_FLAG
 from .endpoint import endpoint_url
@@ -280,7 +281,7 @@ def refuse_step_options(parser: argparse.ArgumentParser, options: BenchOptions) 
     (with the workload's ``max_running``), it is one ``error:`` line."""
     running = options.max_running or options.requests or 1
     engine = replace(options.engine_options(), max_running=running)
-    not_taken = [engine.not_taken_by(step) for step in options.steps]
+    not_taken = [not_taken_by(step, engine) for step in options.steps]
     if all(not_taken):
         parser.error(f"{not_taken[-1]} (--steps {','.join(options.steps)})")
     if engine.budget_refused():
@@ -308,7 +309,7 @@ def refuse_unread(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 def run_workload(options: BenchOptions) -> int:
     """The work, once every flag has passed: the workload's run, at ``--threads``."""
-    options.engine_options().set_threads()
+    set_threads(options.threads)
     progress = Progress(enabled=False if options.quiet else None)
     return WORKLOADS[options.workload].run(options, progress)
 

@@ -12,7 +12,7 @@ from common.config import ModelConfig, preset
 from common.inputs import check_fits_pool
 from common.memory import check_memory
 from front.build import ModelSource, Weights
-from front.steps import load_step
+from front.steps import load_step, step_engine_args
 
 from .options import BenchOptions
 from .progress import Progress
@@ -91,5 +91,5 @@ def load_step_model(
     """Step ``name``'s model of ``cfg``: seeded weights, or ``weights``, shared, not copied;
     its engines take the engine flags of ``options`` that only some steps' engines take."""
     step = load_step(name)
-    args = options.engine_options().step_engine_args(name) if options is not None else {}
+    args = step_engine_args(name, options) if options is not None else {}
     return StepModel(step, ModelSource(name, cfg).build_model(step, weights), args)

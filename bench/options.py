@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from front.cli import EngineOptions
+from front.options import EngineOptions
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,12 @@ once: the text run and the chat loop (``run.py --model DIR``), the server's engi
 2. ``source.build_model(step)``: the memory check, then the weights, a preset's seeded ones
    drawn or a checkpoint's read (or ``weights`` read once and shared by several steps' models).
 3. ``EngineBuilder(step_name, source, options)()``: torch's threads set in the process that
-   computes, the model built, the engine on it. Plain fields, so it pickles: the server's
-   engine process is handed one and builds its engine there.
+   computes (``set_threads``), the model built, the engine on it, given the options its step
+   takes. Plain fields, so it pickles: the server's engine process is handed one and builds its
+   engine there.
+
+The options were checked where they were read (``EngineOptions.refused_by``: a command's
+flags, ``generate_text``'s arguments); the builder trusts them.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ from common.checkpoint import Checkpoint
 from common.config import PRESETS, ModelConfig, preset
 from common.errors import UserError
 
-from .cli import EngineOptions
-from .steps import load_step
+from .options import EngineOptions
+from .steps import load_step, step_engine_args
 
 Weights = Mapping[str, torch.Tensor]
 
@@ -88,18 +92,25 @@ class EngineBuilder:
 
     def __call__(self, model: torch.nn.Module | None = None, **engine_args: Any) -> Any:
         """The step's engine on ``model`` (None: built now from the source), with the options'
-        ``max_running``, ``seed`` and those only later steps take (a ``UserError`` if this
-        step's engine does not); ``engine_args`` adds others (``enable_prefix_cache``)."""
-        self.options.check_step(self.step_name)
-        self.options.set_threads()
+        ``max_running``, ``seed`` and those only later steps take, for the steps that take
+        them; ``engine_args`` adds others (``enable_prefix_cache``). The options are trusted:
+        checked where they were read (``EngineOptions.refused_by``)."""
+        options = self.options
+        set_threads(options.threads)
         step = load_step(self.step_name)
         if model is None:
             model = self.source.build_model(step)
-        options = self.options
         return step.PagedPrefixCacheEngine(
             model,
             max_running=options.max_running,
             seed=options.seed,
-            **options.step_engine_args(self.step_name),
+            **step_engine_args(self.step_name, options),
             **engine_args,
         )
+
+
+def set_threads(threads: int) -> None:
+    """torch's CPU threads, for the whole process (0 leaves torch's default): set by whoever
+    computes, before the model is built (``EngineOptions.threads``, ``--threads``)."""
+    if threads:
+        torch.set_num_threads(threads)

@@ -33,9 +33,10 @@ from common.errors import CheckpointError, RequestError, one_line
 from common.sampling_params import RequestOutput, SamplingParams
 
 from .build import EngineBuilder, ModelSource
-from .cli import EngineOptions, HelpFormatter, add_engine_flags, add_model_flag, plural, text_of
+from .cli import HelpFormatter, add_engine_flags, add_model_flag, plural, text_of
 from .codec import TextCodec
 from .exits import report_user_errors
+from .options import EngineOptions
 from .stream import IncrementalDetokenizer, answer_ids
 from .text_cli import add_sampling_flags, sampling_params
 

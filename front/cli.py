@@ -8,8 +8,8 @@ Most functions below are an argparse ``type=``: they turn the text of one flag i
 or raise ``argparse.ArgumentTypeError``, which argparse prints as one ``error:`` line before it
 exits with status 2. A bad value therefore stops the program before any model is built, instead
 of surfacing minutes later as a traceback (or, worse, as a negative tokens/s). The flags of a
-group (the engine's, the trace's) are read once into a frozen options object
-(``EngineOptions``, ``TraceOptions``) that the rest of the program reads instead of the flags.
+group (the engine's, the trace's) are read once into a frozen options object (``EngineOptions``,
+in ``options.py``, and ``TraceOptions``) that the rest of the program reads instead of the flags.
 """
 
 from __future__ import annotations
@@ -27,11 +27,9 @@ import torch
 
 from common.checkpoint import CONFIG_FILE
 from common.config import DTYPES
-from common.errors import UserError
-from common.inputs import check_token_budget
 from common.memory import SKIP_ENV
 
-from .steps import has_fix
+from .options import EngineOptions
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -229,88 +227,6 @@ def add_dtype_flag(parser: argparse.ArgumentParser) -> None:
 # ---- the engine flags: one definition for every command that builds an engine ------------------
 
 
-@dataclass(frozen=True)
-class EngineOptions:
-    """The engine flags, read once into their types (the bench takes those its workloads
-    read)."""
-
-    device: str = "cpu"
-    dtype: str = "float32"  # a DTYPES name, or "auto" (a checkpoint's stored dtype)
-    block_size: int = 16
-    total_blocks: int | None = 512  # None: the command sizes the pool itself
-    max_running: int = 8
-    # torch CPU threads; 0: torch's default, one per core. One by default: on a machine that
-    # other programs share, two threads wait for each other at every small matmul (50x slower).
-    threads: int = 1
-    seed: int = 0
-    max_model_len: int | None = None  # None: a checkpoint's max_position_embeddings
-    no_memory_check: bool = False
-    # Taken by the engines of step14_9 on (``STEP_OPTIONS``); None: the engine's own default.
-    max_num_batched_tokens: int | None = None
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> EngineOptions:
-        """The options from parsed flags; a flag the parser left out keeps its default."""
-        given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
-        return cls(**given)
-
-    def model_overrides(self) -> dict[str, object]:
-        """The options that build the model (``from_pretrained``'s overrides; None: keep)."""
-        return {
-            name: getattr(self, name) for name in MODEL_OPTIONS if getattr(self, name) is not None
-        }
-
-    def set_threads(self) -> None:
-        """torch's CPU threads, for the whole process (0 leaves torch's default)."""
-        if self.threads:
-            torch.set_num_threads(self.threads)
-
-    def step_engine_args(self, step_name: str) -> dict[str, object]:
-        """The options given that only later steps' engines take (``STEP_OPTIONS``), those that
-        ``step_name``'s engine takes: keyword arguments for it, beside ``max_running``."""
-        return {
-            name: getattr(self, name)
-            for name, first in STEP_OPTIONS.items()
-            if getattr(self, name) is not None and has_fix(step_name, first)
-        }
-
-    def refused_by(self, step_name: str) -> str | None:
-        """Why ``step_name``'s engine would refuse the options given (None: it takes them). A
-        command says it in one line, before anything loads."""
-        return self.not_taken_by(step_name) or self.budget_refused()
-
-    def not_taken_by(self, step_name: str) -> str | None:
-        """The first option given that only later steps' engines take (``STEP_OPTIONS``)."""
-        for name, first in STEP_OPTIONS.items():
-            if getattr(self, name) is not None and not has_fix(step_name, first):
-                return f"{flag_of(name)} needs {first} or later: {step_name}'s engine has no {name}"
-        return None
-
-    def budget_refused(self) -> str | None:
-        """A token budget too small for ``block_size`` and ``max_running`` (the core's rule)."""
-        if self.max_num_batched_tokens is None:
-            return None
-        try:
-            check_token_budget(self.max_num_batched_tokens, self.block_size, self.max_running)
-        except ValueError as exc:
-            return f"--max-num-batched-tokens: {exc}"
-        return None
-
-    def check_step(self, step_name: str) -> None:
-        """``UserError`` when ``step_name``'s engine would refuse the options given."""
-        why = self.refused_by(step_name)
-        if why is not None:
-            raise UserError(why)
-
-
-# The engine options that shape the model, rather than the engine that serves it.
-MODEL_OPTIONS = ("device", "dtype", "block_size", "total_blocks", "max_model_len")
-# The engine options that only the engines of later steps take, and the first step that does.
-# Every command has their flags; one given to an earlier step's command is refused by name
-# (``EngineOptions.not_taken_by``), and the bench passes it to the steps that take it.
-STEP_OPTIONS = {"max_num_batched_tokens": "step14_9"}
-
-
 def flag_of(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
@@ -346,16 +262,6 @@ ENGINE_FLAGS: dict[str, tuple[Callable[[str], object], str, str]] = {
         "then prefill chunks of whole blocks (vLLM's flag); default: the engine's, 512",
     ),
 }
-
-
-def refuse_step_options(
-    parser: argparse.ArgumentParser, step_name: str, engine: EngineOptions
-) -> None:
-    """An engine flag that ``step_name``'s engine does not take (``--max-num-batched-tokens``
-    before step14_9) is one ``error:`` line, before anything loads."""
-    why = engine.refused_by(step_name)
-    if why is not None:
-        parser.error(why)
 
 
 def add_engine_flags(

@@ -25,9 +25,8 @@ from common.memory import check_memory
 from common.reference import ReferenceModel, reference_generate
 from common.stats import EngineStats
 
-from .build import ModelSource
+from .build import ModelSource, set_threads
 from .cli import (
-    EngineOptions,
     HelpFormatter,
     TraceOptions,
     add_engine_flags,
@@ -36,7 +35,8 @@ from .cli import (
     positive_int,
     trace_options,
 )
-from .steps import load_step
+from .options import EngineOptions
+from .steps import load_step, step_engine_args
 from .trace import RoundTrace, RoundTracer
 from .trace_plot import show_trace
 from .workload import demo_prompts
@@ -235,7 +235,7 @@ def engine_class(step: ModuleType, options: DemoOptions) -> Callable[..., Any]:
     """The step's engine, with the engine flags that only later steps take (step14_9's
     ``--max-num-batched-tokens``) when given."""
     return functools.partial(
-        step.PagedPrefixCacheEngine, **options.engine.step_engine_args(step.__name__)
+        step.PagedPrefixCacheEngine, **step_engine_args(step.__name__, options.engine)
     )
 
 
@@ -247,7 +247,7 @@ def warm_up(step: ModuleType, model: torch.nn.Module, prompt: list[int]) -> None
 
 def run(step_name: str, options: DemoOptions) -> int:
     """The demo: its rounds, its checks (the exit status), and the trace when asked."""
-    options.engine.set_threads()
+    set_threads(options.engine.threads)
     step, cfg = load_step(step_name), options.config()
     check_memory(cfg)  # before the banner: a pool the machine cannot hold is the only line
     prompts = demo_prompts(cfg.vocab_size, cfg.block_size)

@@ -48,9 +48,11 @@ def main(step_name: str, argv: list[str] | None = None) -> int:
     parser = module.build_parser(f"python -m {step_name}.run")
     refuse_strays(parser, chosen, given)
     options = module.read_options(parser, argv)
-    from .cli import refuse_step_options  # loaded with the front end: torch is imported now
-
-    refuse_step_options(parser, step_name, options.engine)  # read once: stdin may be a flag's
+    # The engine options' one check, for this step's engine, on the options read once (stdin
+    # may be a flag's): one ``error:`` line before anything loads; the builder trusts them.
+    why = options.engine.refused_by(step_name)
+    if why is not None:
+        parser.error(why)
     # A problem with the checkpoint or a request is one ``error:`` line and exit status 1 (a
     # traceback is left for bugs), whichever front end met it.
     return report_user_errors(parser.prog, lambda: module.run(step_name, options))

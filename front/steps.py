@@ -1,4 +1,5 @@
-"""The step registry: every step's name, what it fixes, and a loader by name."""
+"""The step registry: every step's name, what it fixes, which engine options only later steps'
+engines take, and a loader by name."""
 
 from __future__ import annotations
 
@@ -40,6 +41,34 @@ def has_fix(step_name: str, fix_step: str) -> bool:
     """Does ``step_name`` hold ``fix_step``'s fix? Steps are cumulative: every step from
     ``fix_step`` on does."""
     return STEPS.index(step_name) >= STEPS.index(fix_step)
+
+
+# The engine options (``EngineOptions``' fields, named as the engines' keyword arguments) that
+# only the engines of later steps take, and the first step that does. Every command has their
+# flags; one given to an earlier step's command is refused by name (``not_taken_by``, where the
+# flags are read), and the bench passes it to the steps that take it (``step_engine_args``).
+STEP_OPTIONS = {"max_num_batched_tokens": "step14_9"}
+
+
+def step_engine_args(step_name: str, options: object) -> dict[str, object]:
+    """The ``STEP_OPTIONS`` given in ``options`` (an ``EngineOptions``, or any object with
+    those fields; None: not given) that ``step_name``'s engine takes: keyword arguments for it,
+    beside ``max_running``. The values are trusted: checked once, where the flags are read."""
+    return {
+        name: getattr(options, name)
+        for name, first in STEP_OPTIONS.items()
+        if getattr(options, name, None) is not None and has_fix(step_name, first)
+    }
+
+
+def not_taken_by(step_name: str, options: object) -> str | None:
+    """The first ``STEP_OPTIONS`` given in ``options`` that ``step_name``'s engine does not
+    take, said in one line (None: it takes them all)."""
+    for name, first in STEP_OPTIONS.items():
+        if getattr(options, name, None) is not None and not has_fix(step_name, first):
+            flag = "--" + name.replace("_", "-")
+            return f"{flag} needs {first} or later: {step_name}'s engine has no {name}"
+    return None
 
 
 def available_steps() -> list[str]:

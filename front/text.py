@@ -33,8 +33,9 @@ from common.inputs import Request, as_eos_ids, check_requests, long_context_warn
 from common.sampling_params import RequestOutput, SamplingParams
 
 from .build import EngineBuilder, ModelSource
-from .cli import EngineOptions, plural
+from .cli import plural
 from .codec import Prompt, TextCodec, check_prompts, common_prefix_len, prompt_label
+from .options import EngineOptions
 from .stream import IncrementalDetokenizer, StopStrings, answer_ids, shorten
 
 OnOutput = Callable[[int, RequestOutput], object]  # (the prompt's index, what a round made)
@@ -163,6 +164,7 @@ def generate_text(
         source = given_model(source, model, options.engine)
     requests = prepare_requests(source, prompts, options)
     step_name = step if isinstance(step, str) else step.__name__
+    options.engine.check_step(step_name)  # the options' one check here: no command read them
     engine = EngineBuilder(step_name, source, options.engine)(model)
     return serve_requests(engine, requests, on_engine, on_output)
 

@@ -23,7 +23,6 @@ from common.sampling_params import SamplingParams
 
 from .build import EngineBuilder, ModelSource
 from .cli import (
-    EngineOptions,
     HelpFormatter,
     TraceOptions,
     add_engine_flags,
@@ -37,6 +36,7 @@ from .cli import (
     trace_options,
 )
 from .codec import Prompt, check_messages
+from .options import EngineOptions
 from .stream import StreamPrinter, answer_head, answer_tail
 from .text import TextOptions, TextRequests, TextResult, prepare_requests, serve_requests
 from .trace import RoundTracer

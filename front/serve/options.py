@@ -9,15 +9,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from ..cli import (
-    EngineOptions,
-    HelpFormatter,
-    add_engine_flags,
-    add_model_flag,
-    int_range,
-    positive_int,
-    refuse_step_options,
-)
+from ..cli import HelpFormatter, add_engine_flags, add_model_flag, int_range, positive_int
+from ..options import EngineOptions
 from .kv_events_config import KVEventsConfig, kv_events_config
 
 # A server's requests come and go while others run, so it runs more at once than a batch
@@ -114,7 +107,9 @@ def parse_args(prog: str, argv: list[str] | None, step_name: str) -> ServeOption
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     engine = EngineOptions.from_args(args)
-    refuse_step_options(parser, step_name, engine)
+    why = engine.refused_by(step_name)  # the one check of the engine options, before any load
+    if why is not None:
+        parser.error(why)
     return ServeOptions(
         args.model,
         args.host,

@@ -52,9 +52,9 @@ from common.checkpoint import config_from_hf, eos_token_ids, load_checkpoint
 from common.config import ModelConfig, preset
 from common.errors import CheckpointError
 from front import text_cli
-from front.cli import EngineOptions
 from front.codec import TextCodec, load_tokenizer
 from front.hf import default_max_positions, hf_llama
+from front.options import EngineOptions
 from front.text import TextOptions, generate_text
 from tests.helpers import STEP_NAMES, edit_json, has_fix, hf_greedy
 from tests.toy_checkpoint import CFG, VOCAB, WORDS, word_tokenizer

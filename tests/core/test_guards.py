@@ -333,7 +333,7 @@ def test_a_trace_png_that_cannot_be_written_says_why(tmp_path: Path, capsys) -> 
 
 
 def test_generate_text_uses_one_thread_by_default(toy_checkpoint: Path) -> None:
-    from front.cli import EngineOptions
+    from front.options import EngineOptions
     from front.text import TextOptions, generate_text
 
     before = torch.get_num_threads()

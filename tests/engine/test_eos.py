@@ -206,8 +206,8 @@ def llama3_eos(
 ) -> dict[str, object]:
     """test_checkpoint's Llama, saved by transformers, whose generation_config.json lists two
     eos ids, Llama 3 style: two ids its answers reach mid-way, in different requests."""
-    from front.cli import EngineOptions
     from front.hf import hf_llama
+    from front.options import EngineOptions
     from front.text import TextOptions, generate_text
 
     tc = text_checkpoint

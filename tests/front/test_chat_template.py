@@ -29,7 +29,6 @@ from tokenizers import Tokenizer, processors
 
 from common.config import Llama3RopeScaling, preset
 from common.errors import UserError
-from front.cli import EngineOptions
 from front.codec import (
     TextCodec,
     common_prefix_len,
@@ -38,6 +37,7 @@ from front.codec import (
     messages_for,
 )
 from front.hf import hf_llama
+from front.options import EngineOptions
 from front.text import TextOptions, generate_text
 from tests.helpers import edit_json
 from tests.toy_checkpoint import byte_level_bpe

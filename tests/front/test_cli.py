@@ -392,18 +392,29 @@ def test_a_flag_of_a_later_steps_engine_is_refused_by_name(capsys) -> None:
     assert "argument --max-num-batched-tokens: must be >= 1, got 0" in line
 
 
-def test_the_budget_reaches_the_engine_a_command_builds(monkeypatch) -> None:
-    """The engine builder hands the flag to the engines that take it, and refuses it, as a
-    one-line user error, for those that do not."""
+def test_the_budget_is_checked_once_and_reaches_the_engine_a_command_builds(
+    llama32_style: Path,
+) -> None:
+    """The options' one check (``EngineOptions.refused_by``, where a command reads its flags
+    and where ``generate_text`` takes them) refuses the flag, as a one-line user error, for an
+    engine that does not take it, and a budget too small; the engine builder trusts the
+    options and hands the flag to the engines that take it."""
     from common.errors import UserError
     from front.build import EngineBuilder, ModelSource
-    from front.cli import EngineOptions
+    from front.options import EngineOptions
+    from front.text import TextOptions, generate_text
 
     options = EngineOptions(block_size=4, total_blocks=16, max_num_batched_tokens=40)
-    source = ModelSource.open("tiny", options)
     with pytest.raises(UserError, match="needs step14_9 or later: step14_8's engine"):
-        EngineBuilder("step14_8", source, options)()
+        options.check_step("step14_8")
+    with pytest.raises(UserError, match="needs step14_9 or later: step14_8's engine"):
+        generate_text("step14_8", llama32_style, ["Hi"], TextOptions(engine=options))
+    source = ModelSource.open("tiny", options)
+    assert not hasattr(EngineBuilder("step14_8", source, options)(), "max_num_batched_tokens")
     if "step14_9" in STEP_NAMES:
+        small = EngineOptions(block_size=4, max_num_batched_tokens=10)  # 4 + 8 - 1 = 11 at least
+        assert "block_size + max_running - 1 = 11" in (small.refused_by("step14_9") or "")
+        assert options.refused_by("step14_9") is None
         assert EngineBuilder("step14_9", source, options)().max_num_batched_tokens == 40
         default = EngineBuilder("step14_9", source, EngineOptions(block_size=4))()
         assert default.max_num_batched_tokens == 512

@@ -43,9 +43,9 @@ from common.config import preset
 from common.errors import RequestError
 from common.sampling_params import SamplingParams
 from front import build
-from front.cli import EngineOptions
 from front.codec import load_tokenizer, text_decoder
 from front.hf import hf_llama
+from front.options import EngineOptions
 from front.stream import (
     REPLACEMENT_CHAR,
     IncrementalDetokenizer,

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from front.cli import EngineOptions
+from front.options import EngineOptions
 from tests.helpers import ROOT, SUBPROCESS_TIMEOUT_S
 
 API_KEY = "test-key"

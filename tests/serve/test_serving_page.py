@@ -104,6 +104,6 @@ def test_the_flags_table_gives_every_flag_with_its_real_default() -> None:
 
 def test_the_page_says_the_batch_commands_run_fewer_at_once() -> None:
     """The page compares the server's ``--max-running`` with ``run.py``'s: both pinned."""
-    from front.cli import EngineOptions
+    from front.options import EngineOptions
 
     assert f"`--max-running` is {EngineOptions().max_running})" in PAGE
