@@ -8,7 +8,9 @@ it refuses. Ctrl-C is a real SIGINT sent to a running command.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -191,14 +193,19 @@ def test_the_checkpoint_sets_the_context_length_and_it_can_be_raised(toy_checkpo
 
 
 def test_run_refuses_past_the_context_length_and_the_flag_allows_it(
-    toy_checkpoint: Path,
+    toy_checkpoint: Path, tmp_path: Path
 ) -> None:
     """``--max-new-tokens`` past the checkpoint's positions: refused, and the message names the
-    context length before the pool; ``--max-model-len`` lets it run."""
+    context length before the pool; ``--max-model-len`` lets it run. The checkpoint is the toy
+    one trained on 64 positions, so that running past them takes a moment on any machine."""
     from common.checkpoint import max_position_embeddings
 
-    limit = max_position_embeddings(toy_checkpoint)
-    base = [f"{STEP_NAMES[-1]}.run", "--model", str(toy_checkpoint), "--prompt", "water boils at"]
+    short = shutil.copytree(toy_checkpoint, tmp_path / "short")
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    limit = max_position_embeddings(short)
+    assert limit == 64
+    base = [f"{STEP_NAMES[-1]}.run", "--model", str(short), "--prompt", "water boils at"]
     base += ["--max-new-tokens", str(limit), "--total-blocks", str(limit)]
     refused = run_command(base)
     assert refused.returncode == 1
