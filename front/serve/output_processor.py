@@ -30,6 +30,7 @@ from .async_llm import AsyncLLM, RequestStream
 from .protocol import ChatCompletionRequest, OpenAIError, SamplingRequest
 from .responses import (
     ChatChoice,
+    ChatLogprobs,
     ChatMessage,
     ChatStreamChoice,
     CompletionChoice,
@@ -247,7 +248,7 @@ class Answer:
         delta = DeltaMessage(content=text)
         return ChatStreamChoice(delta=delta, logprobs=self.chat_logprobs(entries), **ending)
 
-    def chat_logprobs(self, entries: list[Any]) -> Any:
+    def chat_logprobs(self, entries: list[Any]) -> ChatLogprobs | None:
         return chat_logprobs(entries, self.model.token_text) if self.logprobs else None
 
     def echoed_prompt(self, choice: Choice) -> tuple[str, list[int], list[Any]]:
