@@ -10,12 +10,14 @@ API (``python -m <step>.serve --model DIR``; docs/serving.md).
 - ``engine_core.py``: ``EngineCore``, the loop that owns the engine, in a process of its own
   (vLLM's ``EngineCoreProc``) or on a thread;
 - ``protocol.py``: what a request may hold and what an error looks like; ``responses.py``: what
-  the answers look like (and their models, for the published schema);
+  the answers look like, each a pydantic model that the answers are built from and the
+  published schema derived from;
 - ``serving_engine.py``: what the endpoints share (the tokenizer's and the detokenizer's
   threads, each choice's ``SamplingParams``); ``serving_completion.py``, ``serving_chat.py``
   and ``serving_tokenization.py``: ``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``
-  and ``/detokenize``, prompt to answer; ``answer.py``: one request's choices as they grow
-  (their text, stop strings applied, log-probabilities, the usage); ``serving_models.py``:
+  and ``/detokenize``, prompt to answer; ``output_processor.py``: one request's choices as
+  they grow (their text, stop strings applied, log-probabilities, the usage), each built in
+  one place for both endpoints, whole or streamed; ``serving_models.py``:
   the served model and a prompt as it takes it, which both sides name;
 - ``serving_render.py``: ``/v1/completions/render`` and ``/v1/chat/completions/render``, a
   prompt's token ids without the run (what a prefix-aware router routes by);

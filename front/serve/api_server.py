@@ -13,8 +13,9 @@
   later request costs.
 
 The HTTP is here and only here: a body is read (any ``Content-Type``: ``curl -d`` sends a form
-type) and checked against its request model, a handler returns an answer (a dict) or an
-``EventStream``, and ``respond`` writes it, as JSON or as server-sent events ending with
+type) and checked against its request model, a handler returns its response (a model of
+``responses.py``) or an ``EventStream``, and ``respond`` writes it, as JSON or as server-sent
+events ending with
 ``data: [DONE]``, watching meanwhile for a client that leaves (its request is then aborted).
 ``RequestSizeLimit`` (``limits.py``) refuses a body over ``--max-request-bytes`` with 413
 before any of that. The engine's life is not the app's: ``launch.py`` starts it before the app
@@ -34,7 +35,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -62,6 +63,7 @@ from .responses import (
     CompletionResponse,
     DetokenizeResponse,
     GenerateRequest,
+    ModelCard,
     ModelList,
     TokenizeResponse,
 )
@@ -116,21 +118,20 @@ def guarded_router(llm: AsyncLLM, served: ServedModel, api_key: str | None) -> A
     """Every route that generates, tokenizes or changes the server's state: behind the key."""
     completion, chat = OpenAIServingCompletion(llm, served), OpenAIServingChat(llm, served)
     tokenization = OpenAIServingTokenization(llm, served)
-    created = int(time.time())  # /v1/models' "created"
     guard = [Depends(key_check(api_key))] if api_key is not None else []
     router = APIRouter(dependencies=guard)
     keyed = (401,) if api_key is not None else ()
 
+    card = ModelCard(  # "created": when the server started
+        id=served.name,
+        created=int(time.time()),
+        owned_by="paged-prefix-cache",
+        max_model_len=served.max_model_len,
+    )
+
     @router.get("/v1/models", **documented(ModelList, *keyed))
-    async def models() -> dict[str, Any]:
-        card = {
-            "id": served.name,
-            "object": "model",
-            "created": created,
-            "owned_by": "paged-prefix-cache",
-            "max_model_len": served.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+    async def models() -> Response:
+        return json_response(ModelList(data=[card]))
 
     @router.post(
         "/v1/completions",
@@ -155,7 +156,7 @@ def guarded_router(llm: AsyncLLM, served: ServedModel, api_key: str | None) -> A
     )  # fmt: skip
     async def tokenize(request: Request) -> Any:
         body = await parse(request, TokenizeRequest)
-        return JSONResponse(await tokenization.create_tokenize(body))
+        return json_response(await tokenization.create_tokenize(body))
 
     @router.post(
         "/detokenize",
@@ -164,7 +165,7 @@ def guarded_router(llm: AsyncLLM, served: ServedModel, api_key: str | None) -> A
     )  # fmt: skip
     async def detokenize(request: Request) -> Any:
         body = await parse(request, DetokenizeRequest)
-        return JSONResponse(await tokenization.create_detokenize(body))
+        return json_response(await tokenization.create_detokenize(body))
 
     @router.post("/reset_prefix_cache", **documented(None, *keyed, 409, 413, empty=True))
     async def reset_prefix_cache() -> Response:
@@ -192,7 +193,7 @@ def add_render_routes(router: APIRouter, render: OpenAIServingRender, keyed: tup
     )  # fmt: skip
     async def render_completion(request: Request) -> Any:
         body = await parse(request, CompletionRequest)
-        return JSONResponse(await render.render_completion(body))
+        return json_response(await render.render_completion(body))
 
     @router.post(
         "/v1/chat/completions/render",
@@ -201,7 +202,7 @@ def add_render_routes(router: APIRouter, render: OpenAIServingRender, keyed: tup
     )  # fmt: skip
     async def render_chat(request: Request) -> Any:
         body = await parse(request, ChatCompletionRequest)
-        return JSONResponse(await render.render_chat(body))
+        return json_response(await render.render_chat(body))
 
 
 def key_check(api_key: str) -> Any:
@@ -242,12 +243,20 @@ async def respond(request: Request, serving: OpenAIServing, body: Any) -> Respon
             media_type="text/event-stream",
             background=BackgroundTask(answer.close),
         )
-    return JSONResponse(answer)
+    return json_response(answer)
 
 
-async def server_sent_events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+def json_response(body: BaseModel | Sequence[BaseModel]) -> JSONResponse:
+    """A response model (or a list of them) as JSON."""
+    if not isinstance(body, BaseModel):
+        return JSONResponse([model.model_dump() for model in body])
+    return JSONResponse(body.model_dump())
+
+
+async def server_sent_events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
     async for chunk in chunks:
-        yield f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        data = json.dumps(chunk.model_dump(), ensure_ascii=False, separators=(",", ":"))
+        yield f"data: {data}\n\n"
     yield "data: [DONE]\n\n"
 
 
@@ -293,4 +302,5 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 def error_response(error: OpenAIError, headers: Any = None) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    body = error.response().model_dump()
+    return JSONResponse(body, status_code=error.status, headers=headers)

@@ -10,7 +10,10 @@ only sends messages and reads what comes back:
 
 - ``add_request`` (from any coroutine) checks the request with the core's own rules, so that a
   bad one is refused at once and the engine is left untouched, sends it, and hands back a
-  ``RequestStream``: an async iterator of that request's ``RequestOutput``s;
+  ``RequestStream``: an async iterator of that request's ``RequestOutput``s. The checked
+  request (``common.inputs.Request``) is what is sent, and the engine core queues it as it is
+  (``add_checked_request``): it is checked once. A server checks on its tokenizer's thread
+  (``check``), then sends (``add_checked``);
 - ``abort`` sends the abort and returns at once: a client that goes away is dropped at the next
   pause between rounds, and its stream ends with ``finish_reason="abort"``;
 - each round's outputs come back in one message, filed on the event loop under their streams;
@@ -171,8 +174,7 @@ class AsyncLLM:
         """Check the request (``RequestError`` naming the field, the engine untouched), send
         it, and return its stream."""
         self._check_alive()
-        request = self.check(prompt_ids, sampling_params, eos_token_ids)
-        return self.add_checked(request.prompt_ids, sampling_params, eos_token_ids)
+        return self.add_checked(self.check(prompt_ids, sampling_params, eos_token_ids))
 
     def check(
         self, prompt_ids: list[int], sampling_params: SamplingParams, eos_token_ids: Any = None
@@ -181,15 +183,13 @@ class AsyncLLM:
         every prompt token, so a server runs them on its worker thread: they touch nothing."""
         return check_request(prompt_ids, None, eos_token_ids, self.cfg, sampling_params)
 
-    def add_checked(
-        self, prompt_ids: list[int], sampling_params: SamplingParams, eos_token_ids: Any = None
-    ) -> RequestStream:
-        """Send a request that ``check`` passed, and return its stream."""
+    def add_checked(self, request: Request) -> RequestStream:
+        """Send a request that ``check`` passed (the engine core queues it unchecked), and
+        return its stream."""
         self._check_alive()
-        eos = None if eos_token_ids is None else tuple(eos_token_ids)
         stream = RequestStream(next(self._ids), time.perf_counter())
         self._streams[stream.key] = stream
-        self.core.send(AddRequest(stream.key, prompt_ids, sampling_params, eos))
+        self.core.send(AddRequest(stream.key, request))
         return stream
 
     def abort(self, stream: RequestStream, finish_reason: str = "abort") -> None:

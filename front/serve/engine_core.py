@@ -17,7 +17,9 @@ and none is held across a model call.
   rounds on another core: 74-83% there. The server uses it.
 
 Requests are checked (``check_request``, the core's own rules) before they are sent, by the
-caller, so that a bad one is refused at once, and an add never fails in the loop.
+caller, so that a bad one is refused at once, and an add never fails in the loop: the loop
+queues the checked ``Request`` as it is (the engine's ``add_checked_request``), without reading
+its every token again (31 ms for a prompt of 99,800 tokens, a round's time held up).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from typing import Any
 import torch
 
 from common.errors import UserError, one_line
-from common.sampling_params import RequestOutput, SamplingParams
+from common.inputs import Request
+from common.sampling_params import RequestOutput
 
 # ---- the messages ----------------------------------------------------------------------------
 
@@ -43,9 +46,7 @@ from common.sampling_params import RequestOutput, SamplingParams
 @dataclass(frozen=True)
 class AddRequest:
     key: int  # the caller's name for the request; outputs come back under it
-    prompt_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_ids: tuple[int, ...] | None
+    request: Request  # what ``check_request`` made of it: checked, not checked again
 
 
 @dataclass(frozen=True)
@@ -149,12 +150,7 @@ class EngineCore:
 
     def handle(self, message: Any, send: Send) -> None:
         if isinstance(message, AddRequest):
-            request_id = self.engine.add_request(
-                message.prompt_ids,
-                None,
-                message.eos_token_ids,
-                sampling_params=message.sampling_params,
-            )
+            request_id = self.engine.add_checked_request(message.request)
             self.keys[request_id], self.ids[message.key] = message.key, request_id
         elif isinstance(message, Abort):
             keys = list(self.ids) if message.key is None else [message.key]

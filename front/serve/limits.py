@@ -64,7 +64,7 @@ class RequestSizeLimit:
             "--max-request-bytes",
             code="request_too_large",
         )
-        await JSONResponse(error.body(), status_code=413)(scope, receive, send)
+        await JSONResponse(error.response().model_dump(), status_code=413)(scope, receive, send)
         while more and received < DRAIN_BYTES:
             message = await receive()
             received += len(message.get("body", b""))

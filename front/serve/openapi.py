@@ -17,7 +17,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from starlette.responses import PlainTextResponse, Response
 
-from .responses import ErrorResponse
+from .protocol import ErrorResponse
 
 REF = "#/components/schemas/{model}"
 WHY = {

@@ -1,6 +1,6 @@
 """What a request may hold, and what an error looks like (vLLM's
 ``vllm/entrypoints/openai/protocol.py``, the part this server speaks; the answers' shapes are in
-``responses.py``).
+``responses.py``, the error's here).
 
 Requests are pydantic models in strict mode, so ``"max_tokens": true`` or ``"temperature":
 "hot"`` is refused rather than read as 1 or as an error deeper down, and every bound a field has
@@ -23,9 +23,21 @@ MAX_N = 128  # the most choices one request may ask for (OpenAI's limit)
 MAX_LOGPROBS = 20  # the most alternatives per token (vLLM's default --max-logprobs)
 
 
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorBody
+
+
 class OpenAIError(Exception):
-    """An error as OpenAI's API answers it: the HTTP status and
-    ``{"error": {"message", "type", "param", "code"}}``."""
+    """An error as OpenAI's API answers it: the HTTP status and an ``ErrorResponse``."""
 
     def __init__(
         self, status: int, message: str, param: str | None = None, code: str | None = None
@@ -36,12 +48,12 @@ class OpenAIError(Exception):
         self.param = param
         self.code = code
 
-    def body(self) -> dict[str, Any]:
+    def response(self) -> ErrorResponse:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         if self.status == 401:
             kind = "authentication_error"
-        error = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
-        return {"error": error}
+        body = ErrorBody(message=self.message, type=kind, param=self.param, code=self.code)
+        return ErrorResponse(error=body)
 
 
 # ---- the pieces of a request ---------------------------------------------------------------

@@ -1,6 +1,13 @@
-"""What the answers look like: OpenAI's shapes, built as plain dicts where they are made, and
-described once as pydantic models for the published schema (``/openapi.json``), which the
-suite holds the answers to (a schema fuzzer checks every answer against its model).
+"""What the answers look like: OpenAI's shapes, each described once, as a pydantic model. The
+server builds its answers from these models, and the published schema (``/openapi.json``) is
+derived from them, which the suite holds the answers to (a schema fuzzer checks every answer
+against its model).
+
+A whole answer and a streamed chunk share their envelope (``id``, ``object``, ``created``,
+``model``, ``choices``, ``usage``); a chunk has a ``usage`` only when it is the last one of a
+stream that asked for it (``stream_options.include_usage``), and a chat's ``delta`` a ``role``
+only in the first chunk of each choice: a field that is None there is left out, as OpenAI
+leaves it out (``exclude_if``). Every other field is always written, ``null`` or not.
 
 Log-probabilities come in two shapes. A completion's (OpenAI's legacy one): four parallel
 lists, ``tokens``, ``token_logprobs``, ``top_logprobs`` (a dict per token: its alternatives
@@ -16,144 +23,73 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
 TokenText = Callable[[int], str]  # one token id's text, special tokens included
+FinishReason = Literal["stop", "length", "abort"]
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    """OpenAI's ``usage``; ``cached_tokens``: the prompt tokens the prefix cache served."""
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
+def left_out(value: Any) -> bool:
+    """Whether a field that OpenAI leaves out when it has nothing to say is written (None: no)."""
+    return value is None
 
 
-def completion(
-    kind: str, request_id: str, model: str, choices: list[dict], usage: dict | None = None
-) -> dict[str, Any]:
-    """An answer or a streamed chunk of either endpoint: ``kind`` is its ``object``
-    (``text_completion``, ``chat.completion``, ``chat.completion.chunk``)."""
-    answer: dict[str, Any] = {
-        "id": request_id,
-        "object": kind,
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-    }
-    if usage is not None:
-        answer["usage"] = usage
-    return answer
+class OpenAIBaseModel(BaseModel):
+    """vLLM's base of its answers. The published schema says that every field with a default
+    is written all the same (``object``, ``created``), except those left out when None."""
+
+    model_config = ConfigDict(json_schema_serialization_defaults_required=True)
 
 
-def choice(index: int, finish_reason: str | None, stop_reason: str | None, **rest: Any) -> dict:
-    """One choice: its ``index``, what it holds (``text``, ``message`` or ``delta``, and
-    ``logprobs``), and why it ended (vLLM's ``stop_reason``: the stop string, if one did)."""
-    return {"index": index, **rest, "finish_reason": finish_reason, "stop_reason": stop_reason}
+class PromptTokensDetails(OpenAIBaseModel):
+    cached_tokens: int  # the prompt tokens the prefix cache served
 
 
-# ---- log-probabilities -------------------------------------------------------------------------
+class Usage(OpenAIBaseModel):
+    """OpenAI's ``usage``: every prompt counted once, however many choices it has."""
 
-
-COMPLETION_LOGPROBS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
-
-
-def completion_logprobs(
-    token_ids: Sequence[int],
-    entries: Sequence[Any | None],
-    token_text: TokenText,
-    text_offset: int = 0,
-) -> dict[str, Any]:
-    """OpenAI's legacy shape: each token's text, log-probability, alternatives (with itself)
-    and where its text begins, counted from ``text_offset``. An entry (``TokenLogprobs``) is
-    None for the prompt's first token, which nothing before it predicts (OpenAI's ``null``)."""
-    shaped: dict[str, list] = {key: [] for key in COMPLETION_LOGPROBS}
-    for token_id, entry in zip(token_ids, entries, strict=True):
-        token = token_text(token_id)
-        shaped["tokens"].append(token)
-        shaped["text_offset"].append(text_offset)
-        text_offset += len(token)
-        if entry is None:
-            shaped["token_logprobs"].append(None)
-            shaped["top_logprobs"].append(None)
-            continue
-        top = {token_text(t): logprob for t, logprob in entry.top}
-        shaped["token_logprobs"].append(entry.logprob)
-        shaped["top_logprobs"].append({**top, token: entry.logprob})
-    return shaped
-
-
-def chat_logprobs(entries: Sequence[Any], token_text: TokenText) -> dict[str, Any]:
-    """A chat's shape: one object per token, its alternatives as a list."""
-
-    def one(token_id: int, logprob: float) -> dict[str, Any]:
-        token = token_text(token_id)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-
-    return {
-        "content": [
-            {**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
-            for e in entries
-        ]
-    }
-
-
-# ---- the schema's models (documentation: the answers above are dicts) ---------------------------
-
-
-class ErrorBody(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorBody
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int
-
-
-class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
 
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
 
-class CompletionLogprobs(BaseModel):
+
+class AnswerEnvelope(OpenAIBaseModel):
+    """What every answer and chunk of either endpoint holds around its choices; ``object``
+    says which it is (``text_completion``, ``chat.completion``, ``chat.completion.chunk``)."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[Any]
+    usage: Usage | None = Field(None, exclude_if=left_out)  # a stream's last chunk, if asked
+
+
+# ---- log-probabilities -------------------------------------------------------------------------
+
+
+class CompletionLogprobs(OpenAIBaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
-    stop_reason: str | None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-
-
-class TopLogprob(BaseModel):
+class TopLogprob(OpenAIBaseModel):
     token: str
     logprob: float
     bytes: list[int]
@@ -163,46 +99,142 @@ class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob]
 
 
-class ChatLogprobs(BaseModel):
+class ChatLogprobs(OpenAIBaseModel):
     content: list[TokenLogprob]
 
 
-class ChatMessage(BaseModel):
+def completion_logprobs(
+    token_ids: Sequence[int],
+    entries: Sequence[Any | None],
+    token_text: TokenText,
+    text_offset: int = 0,
+) -> CompletionLogprobs:
+    """OpenAI's legacy shape: each token's text, log-probability, alternatives (with itself)
+    and where its text begins, counted from ``text_offset``. An entry (``TokenLogprobs``) is
+    None for the prompt's first token, which nothing before it predicts (OpenAI's ``null``)."""
+    tokens: list[str] = []
+    offsets: list[int] = []
+    logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        token = token_text(token_id)
+        tokens.append(token)
+        offsets.append(text_offset)
+        text_offset += len(token)
+        if entry is None:
+            logprobs.append(None)
+            tops.append(None)
+            continue
+        top = {token_text(t): logprob for t, logprob in entry.top}
+        logprobs.append(entry.logprob)
+        tops.append({**top, token: entry.logprob})
+    return CompletionLogprobs(
+        tokens=tokens, token_logprobs=logprobs, top_logprobs=tops, text_offset=offsets
+    )
+
+
+def chat_logprobs(entries: Sequence[Any], token_text: TokenText) -> ChatLogprobs:
+    """A chat's shape: one object per token, its alternatives as a list."""
+
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        token = token_text(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    content = [
+        TokenLogprob(**one(e.token_id, e.logprob), top_logprobs=[one(t, lp) for t, lp in e.top])
+        for e in entries
+    ]
+    return ChatLogprobs(content=content)
+
+
+# ---- completions ---------------------------------------------------------------------------------
+
+
+class CompletionChoice(OpenAIBaseModel):
+    """A completion's choice, whole or streamed (the same shape): its ``text``; why it ended
+    (vLLM's ``stop_reason``: the stop string, if one did), once it did."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: str | None
+
+
+class CompletionResponse(AnswerEnvelope):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionStreamResponse(AnswerEnvelope):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+# ---- chat completions ----------------------------------------------------------------------------
+
+
+class ChatMessage(OpenAIBaseModel):
     role: Literal["assistant"]
     content: str
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(OpenAIBaseModel):
+    """A whole chat answer's choice: its ``message``."""
+
     index: int
     message: ChatMessage
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: FinishReason | None
     stop_reason: str | None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
+class ChatCompletionResponse(AnswerEnvelope):
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
 
 
-class ModelCard(BaseModel):
+class DeltaMessage(OpenAIBaseModel):
+    """What a chunk adds to a chat answer's message: the role, in the first chunk only."""
+
+    role: Literal["assistant"] | None = Field(None, exclude_if=left_out)
+    content: str
+
+
+class ChatStreamChoice(OpenAIBaseModel):
+    """A streamed chat choice: its ``delta`` (vLLM's ``ChatCompletionResponseStreamChoice``)."""
+
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: str | None
+
+
+class ChatCompletionStreamResponse(AnswerEnvelope):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatStreamChoice]
+
+
+# ---- the other routes ----------------------------------------------------------------------------
+
+
+class ModelCard(OpenAIBaseModel):
     id: str
-    object: Literal["model"]
+    object: Literal["model"] = "model"
     created: int
     owned_by: str
     max_model_len: int | None
 
 
-class ModelList(BaseModel):
-    object: Literal["list"]
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
     data: list[ModelCard]
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(OpenAIBaseModel):
     """A prompt rendered (``/render``): what the engine would be given, vLLM's fields that
     this server fills."""
 
@@ -211,12 +243,12 @@ class GenerateRequest(BaseModel):
     model: str
 
 
-class TokenizeResponse(BaseModel):
+class TokenizeResponse(OpenAIBaseModel):
     count: int
     max_model_len: int | None
     tokens: list[int]
     token_strs: list[str] | None
 
 
-class DetokenizeResponse(BaseModel):
+class DetokenizeResponse(OpenAIBaseModel):
     prompt: str

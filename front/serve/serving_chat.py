@@ -13,17 +13,16 @@ from typing import Any
 
 from common.errors import one_line
 
-from . import responses
-from .answer import Answer, Choice
 from .protocol import ChatCompletionRequest, OpenAIError
+from .responses import ChatCompletionResponse, ChatCompletionStreamResponse
 from .serving_engine import OpenAIServing
 from .serving_models import EnginePrompt
 
 
 class OpenAIServingChat(OpenAIServing):
     id_prefix = "chatcmpl"
-    whole_object = "chat.completion"
-    chunk_object = "chat.completion.chunk"
+    response_class = ChatCompletionResponse
+    chunk_class = ChatCompletionStreamResponse
 
     def engine_prompts(self, request: ChatCompletionRequest) -> list[EnginePrompt]:
         """The conversation in the checkpoint's chat markup (on the worker thread)."""
@@ -51,37 +50,6 @@ class OpenAIServingChat(OpenAIServing):
         return (
             super().default_max_tokens(prompt) if limit is None else max(limit - len(prompt.ids), 1)
         )
-
-    def whole_choice(self, answer: Answer, choice: Choice) -> dict[str, Any]:
-        message = {"role": "assistant", "content": choice.text.text}
-        entries = choice.entries[: choice.num_tokens]
-        return self.chat_choice(answer, choice, entries, message=message)
-
-    def chunk_choice(
-        self, answer: Answer, choice: Choice, piece: str, ids: list[int], entries: list
-    ) -> dict[str, Any]:
-        return self.chat_choice(answer, choice, entries, delta={"content": piece})
-
-    def chat_choice(
-        self, answer: Answer, choice: Choice, entries: list, **content: Any
-    ) -> dict[str, Any]:
-        logprobs = None
-        if answer.logprobs:
-            logprobs = responses.chat_logprobs(entries, self.model.token_text)
-        done = choice.done
-        return responses.choice(
-            choice.index,
-            choice.finish_reason if done else None,
-            choice.stop_reason if done else None,
-            **content,
-            logprobs=logprobs,
-        )
-
-    def first_chunks(self, num_choices: int) -> list[dict[str, Any]]:
-        delta = {"role": "assistant", "content": ""}
-        return [
-            responses.choice(i, None, None, delta=delta, logprobs=None) for i in range(num_choices)
-        ]
 
 
 def text_only(message: Any, number: int) -> Any:

@@ -11,18 +11,16 @@ first ``null``: nothing predicts it), which is how an evaluation harness scores 
 
 from __future__ import annotations
 
-from typing import Any
-
-from . import responses
-from .answer import Answer, Choice
 from .protocol import CompletionRequest
+from .responses import CompletionResponse, CompletionStreamResponse
 from .serving_engine import OpenAIServing
 from .serving_models import EnginePrompt
 
 
 class OpenAIServingCompletion(OpenAIServing):
     id_prefix = "cmpl"
-    whole_object = chunk_object = "text_completion"
+    response_class = CompletionResponse
+    chunk_class = CompletionStreamResponse
 
     def engine_prompts(self, request: CompletionRequest) -> list[EnginePrompt]:
         """Each prompt: a string, tokenized as ``generate_text`` does a plain prompt, or token
@@ -34,35 +32,3 @@ class OpenAIServingCompletion(OpenAIServing):
             else EnginePrompt(p, "prompt")
             for p in request.prompt
         ]
-
-    def whole_choice(self, answer: Answer, choice: Choice) -> dict[str, Any]:
-        prefix, ids, entries = answer.echoed_prompt(choice)
-        ids, entries = ids + choice.token_ids, entries + choice.entries[: choice.num_tokens]
-        return self.text_choice(answer, choice, prefix + choice.text.text, ids, entries)
-
-    def chunk_choice(
-        self, answer: Answer, choice: Choice, piece: str, ids: list[int], entries: list
-    ) -> dict[str, Any]:
-        prefix, prompt_ids, prompt_entries = answer.echoed_prompt(choice)
-        return self.text_choice(
-            answer, choice, prefix + piece, prompt_ids + ids, prompt_entries + entries
-        )
-
-    def text_choice(
-        self, answer: Answer, choice: Choice, text: str, ids: list[int], entries: list
-    ) -> dict[str, Any]:
-        """One choice's text, and the log-probabilities of its tokens ``ids`` when asked; the
-        choice's finish reason once it is done."""
-        logprobs = None
-        if answer.logprobs:
-            token_text = self.model.token_text
-            logprobs = responses.completion_logprobs(ids, entries, token_text, choice.text_offset)
-            choice.text_offset += sum(len(token) for token in logprobs["tokens"])
-        done = choice.done
-        return responses.choice(
-            choice.index,
-            choice.finish_reason if done else None,
-            choice.stop_reason if done else None,
-            text=text,
-            logprobs=logprobs,
-        )

@@ -5,22 +5,27 @@ A generating endpoint does the same things. Check the model's name. Turn the pro
 token ids (the subclass's ``engine_prompts``: a completion may bring several). Make each
 prompt's ``SamplingParams``, with the checkpoint's ``generation_config.json`` filling what the
 request leaves out, as vLLM does. Queue ``n`` requests per prompt on the ``AsyncLLM``. Then
-hand back the answer (``answer.py``): whole, as a dict, or as an ``EventStream`` of chunks.
+hand back the endpoint's response (``responses.py``: ``response_class``, ``chunk_class``), with
+the choices the answer builds (``output_processor.py``): whole, or an ``EventStream`` of
+chunks.
 
 Nothing slow runs on the event loop, where every client's stream is written: tokenizing, the
 chat template and the core's checks (they read every token) run on a thread of their own
 (``run``), as vLLM runs its tokenizer on a one-thread executor (``make_async`` over
-``_tokenizer_executor``); detokenizing runs on another (``run_output``), so that a stream's
+``_tokenizer_executor``); detokenizing runs on another (``detokenizer_thread``), so that a stream's
 text never waits behind a long prompt. (vLLM detokenizes in its output handler, a task on the
 loop that yields between chunks of outputs.) The Rust tokenizer lets go of the GIL
 (``TextCodec.encode_text``), so a 1 MB prompt being tokenized stalls nobody.
+
+The core's checks run there once: the checked requests (``common.inputs.Request``) are what
+the engine core queues, unchecked again (the engine's ``add_checked_request``).
 
 ``n`` choices of one prompt are ``n`` requests of their own, as vLLM's ``ParentRequest`` makes
 them: with a ``seed``, choice ``i`` gets ``seed + i`` (so the same request gives the same ``n``
 answers every time); the first computes the prompt and the others adopt its blocks through the
 prefix cache (requests that start together leapfrog through a shared prefix).
 
-No HTTP here: the routes (``api_server.py``) write the dict as JSON or the chunks as
+No HTTP here: the routes (``api_server.py``) write the response as JSON or the chunks as
 server-sent events, watch for a client that leaves, and turn ``OpenAIError`` into its status.
 Every refusal is an ``OpenAIError`` naming the field. The engine's own checks raise
 ``RequestError`` with the engine's parameter name in ``param``; ``ENGINE_PARAMS`` maps it onto
@@ -34,15 +39,20 @@ import ctypes
 import ctypes.util
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+from pydantic import BaseModel
+
 from common.errors import ContextLengthError, RequestError, one_line
+from common.inputs import Request
 from common.sampling_params import SamplingParams
 
-from .answer import Answer, Choice
 from .async_llm import AsyncLLM
+from .output_processor import Answer
 from .protocol import OpenAIError, SamplingRequest
+from .responses import AnswerEnvelope, new_id
 from .serving_models import EnginePrompt, ServedModel
 
 DEFAULT_MAX_TOKENS = 16  # a completion's, when the request gives none (OpenAI's and vLLM's)
@@ -55,7 +65,7 @@ class EventStream:
     """A streamed answer: its chunks as they come, and ``close``, which the route calls once
     the response ends, however it ended (a client gone before the first chunk too)."""
 
-    chunks: AsyncIterator[dict[str, Any]]
+    chunks: AsyncIterator[BaseModel]  # the endpoint's chunks (or, last, an ErrorResponse)
     close: Callable[[], None]
 
 
@@ -63,8 +73,8 @@ class OpenAIServing:
     """One endpoint over one ``AsyncLLM``: what a subclass leaves to this base."""
 
     id_prefix = ""  # the answers' ids: "cmpl-...", "chatcmpl-..."
-    whole_object = ""  # the ``object`` of a whole answer
-    chunk_object = ""  # the ``object`` of a streamed chunk
+    response_class: type[AnswerEnvelope]  # a whole answer (``responses.py``)
+    chunk_class: type[AnswerEnvelope]  # a streamed chunk
 
     def __init__(self, llm: AsyncLLM, model: ServedModel) -> None:
         self.llm = llm
@@ -76,12 +86,6 @@ class OpenAIServing:
         """``work(*args)`` on the tokenizer's thread: the event loop serves everyone meanwhile."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.tokenizer_thread, work, *args)
-
-    async def run_output(self, work: Callable[..., T], *args: Any) -> T:
-        """``work(*args)`` on the detokenizer's thread: a stream's text is never held up
-        behind a long prompt being tokenized."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.detokenizer_thread, work, *args)
 
     def tokenized(self, request: Any) -> list[EnginePrompt]:
         """``engine_prompts``, on the tokenizer's thread; after a long prompt, the memory its
@@ -100,57 +104,65 @@ class OpenAIServing:
     def default_max_tokens(self, prompt: EnginePrompt) -> int:
         return DEFAULT_MAX_TOKENS
 
-    def whole_choice(self, answer: Answer, choice: Choice) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def chunk_choice(
-        self, answer: Answer, choice: Choice, piece: str, ids: list[int], entries: list
-    ) -> dict[str, Any]:
-        """A streamed piece of one choice: its text, and its new tokens' log-probabilities."""
-        raise NotImplementedError
-
-    def first_chunks(self, num_choices: int) -> list[dict[str, Any]]:
-        """Chunks sent before any text (a chat's name the role)."""
-        return []
-
     # ---- the request in -----------------------------------------------------------------------
 
-    async def create(self, request: SamplingRequest) -> dict[str, Any] | EventStream:
-        """The answer to ``request``: whole, or an ``EventStream`` when it asks to stream. A
+    async def create(self, request: SamplingRequest) -> AnswerEnvelope | EventStream:
+        """The response to ``request``: whole, or an ``EventStream`` when it asks to stream. A
         whole answer waited for and then abandoned (the client left) is aborted."""
         self.check_model(request)
         check_best_of(request)
         logprobs = request.logprobs_asked()  # type: ignore[attr-defined]
         prompts = await self.run(self.tokenized, request)
-        answer = Answer(self, request, prompts, logprobs)
-        params = await self.requests_for(request, prompts, logprobs)
+        requests = await self.requests_for(request, prompts, logprobs)
+        answer = Answer(self.llm, self.model, request, prompts, logprobs, self.detokenizer_thread)
         try:
-            answer.start(params)
+            answer.start(requests)
         except BaseException:  # the engine failed half-way: what was queued goes
             answer.abort()
             raise
+        request_id = new_id(self.id_prefix)
         if request.stream:
             usage = request.stream_options is not None and request.stream_options.include_usage
-            return EventStream(answer.chunks(usage), answer.abort)
+            return EventStream(self.chunks(request_id, answer, usage), answer.abort)
         try:
-            return await answer.whole()
+            choices = await answer.whole()
         finally:
             answer.abort()  # a no-op unless the wait was cancelled: the client left
+        name = self.model.name
+        return self.response_class(id=request_id, model=name, choices=choices, usage=answer.usage())
+
+    async def chunks(
+        self, request_id: str, answer: Answer, include_usage: bool
+    ) -> AsyncIterator[BaseModel]:
+        """A chunk per streamed choice, then the usage if asked for; an engine that fails ends
+        the chunks with an error."""
+        name = self.model.name
+        try:
+            async with aclosing(answer.streamed()) as choices:
+                async for choice in choices:
+                    yield self.chunk_class(id=request_id, model=name, choices=[choice])
+        except Exception as exc:  # the engine failed: say so in the stream
+            yield OpenAIError(500, str(exc)).response()
+            return
+        if include_usage:
+            yield self.chunk_class(id=request_id, model=name, choices=[], usage=answer.usage())
 
     async def requests_for(
         self, request: SamplingRequest, prompts: list[EnginePrompt], logprobs: int | None
-    ) -> list[list[SamplingParams]]:
-        """Each prompt's ``n`` requests' ``SamplingParams``, every prompt checked by the core
-        (on the worker thread) before any is queued: a bad one leaves the engine untouched."""
+    ) -> list[list[Request]]:
+        """Each prompt's ``n`` requests, every prompt checked by the core (on the worker
+        thread) before any is queued: a bad one leaves the engine untouched. The ``n``
+        differ in their seeds alone, which the checks do not read."""
         eos = None if request.ignore_eos else self.model.codec.eos_token_ids
         per_prompt = []
         for prompt in prompts:
             params = self.sampling_params(request, prompt, logprobs)
             try:
-                await self.run(self.llm.check, prompt.ids, params, eos)
+                checked = await self.run(self.llm.check, prompt.ids, params, eos)
             except RequestError as exc:
                 raise openai_error(exc, prompt.field) from None
-            per_prompt.append([child_params(params, i) for i in range(request.n)])
+            children = [child_params(params, i) for i in range(request.n)]
+            per_prompt.append([replace(checked, sampling_params=p) for p in children])
         return per_prompt
 
     def check_model(self, request: Any) -> None:

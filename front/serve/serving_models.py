@@ -1,7 +1,7 @@
 """What the server serves (vLLM's ``serving_models.py``): its model, loaded once
 (``ServedModel``), and a request's prompt as that model takes it (``EnginePrompt``). A module
-of their own, so that the answers (``answer.py``) name them without importing the endpoints
-that write them.
+of their own, so that the output processor (``output_processor.py``) names them without
+importing the endpoints that use it.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import responses
+from .responses import GenerateRequest, new_id
 from .serving_engine import OpenAIServing
 
 
@@ -30,20 +30,20 @@ class OpenAIServingRender:
         self.completion = completion
         self.chat = chat
 
-    async def render_completion(self, request: Any) -> list[dict[str, Any]]:
+    async def render_completion(self, request: Any) -> list[GenerateRequest]:
         """One ``GenerateRequest`` per prompt (a completion may bring several)."""
         return await rendered(self.completion, request)
 
-    async def render_chat(self, request: Any) -> dict[str, Any]:
+    async def render_chat(self, request: Any) -> GenerateRequest:
         [one] = await rendered(self.chat, request)
         return one
 
 
-async def rendered(serving: OpenAIServing, request: Any) -> list[dict[str, Any]]:
+async def rendered(serving: OpenAIServing, request: Any) -> list[GenerateRequest]:
     serving.check_model(request)
     prompts = await serving.run(serving.tokenized, request)
     name = serving.model.name
     return [
-        {"request_id": responses.new_id(serving.id_prefix), "token_ids": p.ids, "model": name}
+        GenerateRequest(request_id=new_id(serving.id_prefix), token_ids=p.ids, model=name)
         for p in prompts
     ]

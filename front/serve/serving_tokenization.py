@@ -12,27 +12,23 @@ Both run on the worker thread, like every other tokenizing.
 
 from __future__ import annotations
 
-from typing import Any
-
 from .protocol import DetokenizeRequest, OpenAIError, TokenizeRequest
+from .responses import DetokenizeResponse, TokenizeResponse
 from .serving_chat import OpenAIServingChat
 
 
 class OpenAIServingTokenization(OpenAIServingChat):
     """The chat endpoint's way of writing a conversation, without generating anything."""
 
-    async def create_tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
+    async def create_tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         self.check_model(request)
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIError(400, "give either prompt or messages", param="prompt")
         ids = await self.run(self.tokenize, request)
         strs = [self.model.token_text(t) for t in ids] if request.return_token_strs else None
-        return {
-            "count": len(ids),
-            "max_model_len": self.model.max_model_len,
-            "tokens": ids,
-            "token_strs": strs,
-        }
+        return TokenizeResponse(
+            count=len(ids), max_model_len=self.model.max_model_len, tokens=ids, token_strs=strs
+        )
 
     def tokenize(self, request: TokenizeRequest) -> list[int]:
         """The ids (on the worker thread). vLLM's defaults: a prompt gets the tokenizer's
@@ -43,7 +39,7 @@ class OpenAIServingTokenization(OpenAIServingChat):
         assert request.prompt is not None
         return self.model.codec.encode_text(request.prompt, special is not False)
 
-    async def create_detokenize(self, request: DetokenizeRequest) -> dict[str, Any]:
+    async def create_detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(request)
         vocab = self.llm.cfg.vocab_size
         outside = [t for t in request.tokens if t >= vocab]
@@ -53,4 +49,4 @@ class OpenAIServingTokenization(OpenAIServingChat):
                 f"token ids {outside[:5]} are outside the vocabulary [0, {vocab})",
                 param="tokens",
             )
-        return {"prompt": await self.run(self.model.codec.decode, request.tokens)}
+        return DetokenizeResponse(prompt=await self.run(self.model.codec.decode, request.tokens))

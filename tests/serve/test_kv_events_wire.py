@@ -36,6 +36,7 @@ zmq = pytest.importorskip(
 msgspec = pytest.importorskip("msgspec", reason="the KV events' msgpack needs msgspec")
 
 from common import kv_events  # noqa: E402
+from common.inputs import check_request  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from front.serve.engine_core import Abort, AddRequest, Call, EngineCore, Stop  # noqa: E402
 from front.serve.kv_events import (  # noqa: E402
@@ -136,7 +137,8 @@ def script(engine: Any, seed: int) -> Iterator[Any]:
             prefix + [rng.randrange(512) for _ in range(rng.randint(1, 20))] for _ in "abcdef"
         ]
         for key, prompt in enumerate(prompts):
-            yield AddRequest(10 * wave + key, prompt, params, None)
+            request = check_request(prompt, None, None, engine.model.cfg, params)
+            yield AddRequest(10 * wave + key, request)
             yield from [None] * rng.randint(0, 2 * wave)  # the first wave at once: preemptions
         yield Abort(10 * wave + 1)
         while engine.has_work:

@@ -214,6 +214,21 @@ def test_completion_logprobs_are_the_references_in_openais_shape(
         assert logprobs.top_logprobs[i] == pytest.approx(alternatives, abs=1e-9)
 
 
+def test_a_streams_logprobs_join_into_the_whole_answers(server: ServerProcess) -> None:
+    """Piece by piece, with the prompt echoed first: each piece's ``text_offset`` goes on from
+    where the piece before it ended, so the pieces joined are the whole answer's."""
+    api = client(server)
+    body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": 6, "logprobs": 2, "echo": True}
+    whole = api.completions.create(**body, **SAMPLED).choices[0]
+    pieces = [chunk.choices[0] for chunk in api.completions.create(**body, **SAMPLED, stream=True)]
+    joined = [p.logprobs for p in pieces if p.logprobs is not None]
+    assert "".join(p.text for p in pieces) == whole.text
+    assert [t for piece in joined for t in piece.tokens] == whole.logprobs.tokens
+    assert [o for piece in joined for o in piece.text_offset] == whole.logprobs.text_offset
+    streamed = [lp for piece in joined for lp in piece.token_logprobs]
+    assert streamed == pytest.approx(whole.logprobs.token_logprobs, abs=1e-9)
+
+
 def answer_ids(server: ServerProcess, checkpoint: Path, prompt_ids: list[int], n: int) -> list[int]:
     engine, _ = offline(server.step_name, checkpoint)
     params = SamplingParams(max_tokens=n, **SAMPLED)

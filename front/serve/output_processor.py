@@ -1,6 +1,8 @@
 """One request's answer as it grows (vLLM's output processor, the part a server needs): its
-choices, each a request in the engine, read from their streams; the text made on the worker
-thread; stop strings applied; the answer whole or chunk by chunk, in its endpoint's shape.
+choices, each a request in the engine, read from their streams; the text made on the
+detokenizer's thread; stop strings applied; and each choice built in its endpoint's shape,
+whole or streamed, in one place (``Answer.choice``). The endpoint (``serving_engine.py``)
+starts the answer and puts its choices in the endpoint's response: the flow goes one way.
 
 A choice whose text reaches a stop string ends there: its request is aborted in the engine
 (as vLLM's detokenizer finds the string and its output processor aborts the request), so no
@@ -16,39 +18,31 @@ counts are those up to the one that completed the string, as in vLLM.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol, TypeVar
+from collections.abc import AsyncIterator
+from concurrent.futures import Executor
+from typing import Any
 
-from common.sampling_params import RequestOutput, SamplingParams
+from common.inputs import Request
+from common.sampling_params import RequestOutput
 
 from ..stream import IncrementalDetokenizer, StopStrings, answer_ids
-from . import responses
 from .async_llm import AsyncLLM, RequestStream
-from .protocol import OpenAIError, SamplingRequest
+from .protocol import ChatCompletionRequest, OpenAIError, SamplingRequest
+from .responses import (
+    ChatChoice,
+    ChatLogprobs,
+    ChatMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    DeltaMessage,
+    Usage,
+    chat_logprobs,
+    completion_logprobs,
+)
 from .serving_models import EnginePrompt, ServedModel
 
-T = TypeVar("T")
-
-
-class Endpoint(Protocol):
-    """What an answer asks of its endpoint (``serving_engine.OpenAIServing`` is one): the
-    engine and the model, where to run work off the loop, and the endpoint's shapes."""
-
-    llm: AsyncLLM
-    model: ServedModel
-    id_prefix: str
-    whole_object: str
-    chunk_object: str
-
-    async def run_output(self, work: Callable[..., T], *args: Any) -> T: ...
-
-    def whole_choice(self, answer: Answer, choice: Choice) -> dict[str, Any]: ...
-
-    def chunk_choice(
-        self, answer: Answer, choice: Choice, piece: str, ids: list[int], entries: list[Any]
-    ) -> dict[str, Any]: ...
-
-    def first_chunks(self, num_choices: int) -> list[dict[str, Any]]: ...
+# One choice of either endpoint, whole or streamed.
+AnyChoice = CompletionChoice | ChatChoice | ChatStreamChoice
 
 
 class Choice:
@@ -66,6 +60,7 @@ class Choice:
         self.prompt_entries: list[Any] | None = None  # the prompt's (echo with logprobs)
         self.sent = 0  # entries already streamed
         self.echoed = False  # the prompt already streamed (echo)
+        self.named = False  # a chat stream's first chunk sent: the one naming the role
         self.text_offset = 0  # where the next streamed token's text begins (logprobs)
 
     @property
@@ -112,50 +107,54 @@ class Choice:
 
 
 class Answer:
-    """A request's choices, whole or as chunks, in its endpoint's shape."""
+    """A request's choices in its endpoint's shape: a chat's (``message`` or ``delta``, the
+    chat's log-probabilities) or a completion's (``text``, the legacy log-probabilities)."""
 
     def __init__(
         self,
-        serving: Endpoint,
+        llm: AsyncLLM,
+        model: ServedModel,
         request: SamplingRequest,
         prompts: list[EnginePrompt],
         logprobs: int | None,
+        detokenizer: Executor,
     ) -> None:
-        self.serving = serving
-        self.request = request
+        self.llm = llm
+        self.model = model
         self.prompts = prompts
+        self.chat = isinstance(request, ChatCompletionRequest)
         self.logprobs = logprobs is not None
         self.echo = request.echo
-        self.request_id = responses.new_id(serving.id_prefix)
+        self.stop = StopStrings(
+            request.stop_strings(), request.include_stop_str_in_output, request.min_tokens or 0
+        )
+        self.detokenizer = detokenizer  # where text is made: off the event loop
         self.choices: list[Choice] = []
 
-    def start(self, params: list[list[SamplingParams]]) -> None:
-        """Queue every choice's request (prompt by prompt, each prompt's ``n`` together)."""
-        llm, model = self.serving.llm, self.serving.model
-        eos = None if self.request.ignore_eos else model.codec.eos_token_ids
-        stop = StopStrings(
-            self.request.stop_strings(),
-            self.request.include_stop_str_in_output,
-            self.request.min_tokens or 0,
-        )
-        for prompt, children in zip(self.prompts, params, strict=True):
-            for child in children:
-                stream = llm.add_checked(prompt.ids, child, eos)
-                text = IncrementalDetokenizer(model.codec.decode, stop)
+    def start(self, requests: list[list[Request]]) -> None:
+        """Queue every choice's request (prompt by prompt, each prompt's ``n`` together), each
+        one that ``check_request`` passed."""
+        for prompt, children in zip(self.prompts, requests, strict=True):
+            for request in children:
+                stream = self.llm.add_checked(request)
+                text = IncrementalDetokenizer(self.model.codec.decode, self.stop)
                 self.choices.append(Choice(len(self.choices), prompt, stream, text))
 
     def abort(self) -> None:
         """Every choice's request that is still running, aborted (a no-op for the others)."""
         for choice in self.choices:
-            self.serving.llm.abort(choice.stream)
+            self.llm.abort(choice.stream)
 
     async def read(self, choice: Choice, output: RequestOutput) -> str:
-        """``output`` taken in by its choice, off the event loop; a stop string reached ends
-        the choice's request in the engine."""
+        """``output`` taken in by its choice, on the detokenizer's thread; a stop string
+        reached ends the choice's request in the engine."""
         prompt_logprobs = self.logprobs and self.echo
-        piece = await self.serving.run_output(choice.read, output, self.logprobs, prompt_logprobs)
+        loop = asyncio.get_running_loop()
+        piece = await loop.run_in_executor(
+            self.detokenizer, choice.read, output, self.logprobs, prompt_logprobs
+        )
         if choice.stop_reason is not None and not output.finished:
-            self.serving.llm.abort(choice.stream, finish_reason="stop")
+            self.llm.abort(choice.stream, finish_reason="stop")
         return piece
 
     async def follow(self, choice: Choice) -> AsyncIterator[str]:
@@ -167,7 +166,9 @@ class Answer:
 
     # ---- whole --------------------------------------------------------------------------------
 
-    async def whole(self) -> dict[str, Any]:
+    async def whole(self) -> list[AnyChoice]:
+        """Every choice, once all are done."""
+
         async def drain(choice: Choice) -> None:
             async for _ in self.follow(choice):
                 pass
@@ -175,58 +176,80 @@ class Answer:
         await asyncio.gather(*(drain(choice) for choice in self.choices))
         if any(choice.finish_reason == "abort" for choice in self.choices):
             raise OpenAIError(503, "the request was aborted: the server is shutting down")
-        shaped = [self.serving.whole_choice(self, choice) for choice in self.choices]
-        return self.completion(self.serving.whole_object, shaped, self.usage())
+        return [
+            self.choice(c, c.text.text, c.token_ids, c.entries[: c.num_tokens], whole=True)
+            for c in self.choices
+        ]
 
     # ---- streamed -----------------------------------------------------------------------------
 
-    async def chunks(self, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-        """A chunk per piece of text of any choice (the last of each with its finish reason),
-        then the usage if asked for; an engine that fails ends the chunks with an error."""
-        for shaped in self.serving.first_chunks(len(self.choices)):
-            yield self.completion(self.serving.chunk_object, [shaped])
+    async def streamed(self) -> AsyncIterator[AnyChoice]:
+        """A choice per piece of text of any choice, as they come (the last of each with its
+        finish reason); a chat's first name the role, one per choice, as OpenAI's do. An
+        engine that fails raises its error here."""
+        if self.chat:
+            for choice in self.choices:
+                yield self.choice(choice, "", [], [], whole=False)
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.ensure_future(self.pump(choice, queue)) for choice in self.choices]
         try:
             for _ in self.choices:
                 while (item := await queue.get()) is not None:
                     if isinstance(item, Exception):
-                        yield OpenAIError(500, str(item)).body()
-                        return
-                    yield self.completion(self.serving.chunk_object, [item])
-            if include_usage:
-                yield self.completion(self.serving.chunk_object, [], self.usage())
+                        raise item
+                    yield item
         finally:
             for task in tasks:
                 task.cancel()
 
     async def pump(self, choice: Choice, queue: asyncio.Queue) -> None:
-        """One choice's chunks into ``queue``, then None (or the engine's failure)."""
+        """One choice's streamed choices into ``queue``, then None (or the engine's failure)."""
         try:
             async for piece in self.follow(choice):
                 ids, entries = choice.new_entries()
                 if piece or entries or choice.done:
-                    queue.put_nowait(self.serving.chunk_choice(self, choice, piece, ids, entries))
-        except Exception as exc:  # the engine failed: say so in the stream
+                    queue.put_nowait(self.choice(choice, piece, ids, entries, whole=False))
+        except Exception as exc:  # the engine failed: the stream says so
             queue.put_nowait(exc)
         queue.put_nowait(None)
 
-    # ---- shared -------------------------------------------------------------------------------
+    # ---- the one place a choice is made -------------------------------------------------------
 
-    def completion(
-        self, kind: str, choices: list[dict], usage: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
-        model = self.serving.model.name
-        return responses.completion(kind, self.request_id, model, choices, usage)
+    def choice(
+        self, choice: Choice, text: str, ids: list[int], entries: list[Any], whole: bool
+    ) -> AnyChoice:
+        """``choice`` in its endpoint's shape, ``whole`` or a streamed piece: its ``text``
+        (and its tokens ``ids``, their log-probabilities ``entries``) held as a completion
+        holds it (the echoed prompt first, once) or as a chat does (a ``message``, or a
+        ``delta``: the first of a stream names the role and holds nothing); and once the
+        choice is done, why it ended."""
+        done = choice.done
+        ending: dict[str, Any] = {
+            "index": choice.index,
+            "finish_reason": choice.finish_reason if done else None,
+            "stop_reason": choice.stop_reason if done else None,
+        }
+        if not self.chat:
+            prefix, prompt_ids, prompt_entries = self.echoed_prompt(choice)
+            ids, entries = prompt_ids + ids, prompt_entries + entries
+            logprobs = None
+            if self.logprobs:
+                token_text, offset = self.model.token_text, choice.text_offset
+                logprobs = completion_logprobs(ids, entries, token_text, offset)
+                choice.text_offset += sum(len(token) for token in logprobs.tokens)
+            return CompletionChoice(text=prefix + text, logprobs=logprobs, **ending)
+        if whole:
+            message = ChatMessage(role="assistant", content=text)
+            return ChatChoice(message=message, logprobs=self.chat_logprobs(entries), **ending)
+        if not choice.named:
+            choice.named = True
+            delta = DeltaMessage(role="assistant", content=text)
+            return ChatStreamChoice(delta=delta, logprobs=None, **ending)
+        delta = DeltaMessage(content=text)
+        return ChatStreamChoice(delta=delta, logprobs=self.chat_logprobs(entries), **ending)
 
-    def usage(self) -> dict[str, Any]:
-        """Each prompt counted once (OpenAI's rule), and so its cached tokens: what the cache
-        served its choices, averaged over them (rounded down)."""
-        prompt_tokens = sum(len(prompt.ids) for prompt in self.prompts)
-        completion_tokens = sum(choice.num_tokens for choice in self.choices)
-        n = len(self.choices) // len(self.prompts)
-        served = sum(c.output.num_cached_tokens for c in self.choices if c.output is not None)
-        return responses.usage(prompt_tokens, completion_tokens, served // n)
+    def chat_logprobs(self, entries: list[Any]) -> ChatLogprobs | None:
+        return chat_logprobs(entries, self.model.token_text) if self.logprobs else None
 
     def echoed_prompt(self, choice: Choice) -> tuple[str, list[int], list[Any]]:
         """The prompt's text, ids and log-probabilities (the first None) before a choice's
@@ -235,8 +258,15 @@ class Answer:
             return "", [], []
         choice.echoed = True
         prompt = choice.prompt
-        text = (
-            prompt.text if prompt.text is not None else self.serving.model.codec.decode(prompt.ids)
-        )
+        text = prompt.text if prompt.text is not None else self.model.codec.decode(prompt.ids)
         entries = choice.prompt_entries if self.logprobs else None
         return text, prompt.ids, list(entries or [None] * len(prompt.ids))
+
+    def usage(self) -> Usage:
+        """Each prompt counted once (OpenAI's rule), and so its cached tokens: what the cache
+        served its choices, averaged over them (rounded down)."""
+        prompt_tokens = sum(len(prompt.ids) for prompt in self.prompts)
+        completion_tokens = sum(choice.num_tokens for choice in self.choices)
+        n = len(self.choices) // len(self.prompts)
+        served = sum(c.output.num_cached_tokens for c in self.choices if c.output is not None)
+        return Usage.of(prompt_tokens, completion_tokens, served // n)
