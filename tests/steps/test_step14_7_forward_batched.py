@@ -4,10 +4,10 @@ Before step14_7 the engine calls ``model(...)`` once per scheduled sequence per 
 step14_7 ``forward_batched`` takes the tokens of many sequences as one flat batch; per layer,
 every token's K/V is written before any sequence's attention reads the pool, so a block that
 one sequence writes in a round can be read, in the same call, by a sequence that adopted it.
-The specification: ``forward_batched`` gives the last-token logits (or the rows its
-``logits_indices`` names) and the KV pool of one ``forward`` per sequence, a reader sees what a
-writer later in the same batch writes, and the engine makes one ``forward_batched`` call per
-round and no ``forward`` call (before the fix: one ``forward`` per scheduled sequence).
+The specification: ``forward_batched`` gives the last-token logits and the KV pool of one
+``forward`` per sequence, a reader sees what a writer later in the same batch writes, and the
+engine makes one ``forward_batched`` call per round and no ``forward`` call (before the fix:
+one ``forward`` per scheduled sequence).
 """
 
 from __future__ import annotations
@@ -64,26 +64,6 @@ def test_forward_batched_equals_per_sequence_forward(step: ModuleType, num_kv_he
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
     torch.testing.assert_close(batched.kv_pool_k, serial.kv_pool_k, rtol=0, atol=1e-12)
     torch.testing.assert_close(batched.kv_pool_v, serial.kv_pool_v, rtol=0, atol=1e-12)
-
-
-def test_logits_indices_give_those_rows_of_the_flat_batch(step: ModuleType) -> None:
-    """vLLM's ``logits_indices``: the logits of the flat batch's rows named, in order, each the
-    row that one ``forward`` per sequence gives there (a request that wants its prompt's
-    logprobs needs every row of its chunk, the others only their last)."""
-    requires_fix(step, "step14_7")
-    rng = random.Random(3)
-    chunks = [[rng.randrange(CFG.vocab_size) for _ in range(n)] for n in (5, 1, 3)]
-    tables = [[4, 9], [2], [7, 1]]
-    batched, serial = step.TinyTransformerPaged(CFG), step.TinyTransformerPaged(CFG)
-    for model in (batched, serial):
-        model([3, 8, 1], tables[1], 0)  # the decode row's context: 3 tokens
-    starts = [0, 3, 0]
-    rows = torch.cat([serial(c, t, s) for c, t, s in zip(chunks, tables, starts)])
-    indices = [0, 1, 2, 3, 4, 5, 8]  # the first chunk whole, the decode row, the third's last
-    got = batched.forward_batched(chunks, tables, starts, logits_indices=indices)
-    torch.testing.assert_close(got, rows[indices], rtol=0, atol=1e-10)
-    last = batched.forward_batched(chunks, tables, starts)  # again, the default: last rows
-    torch.testing.assert_close(last, rows[[4, 5, 8]], rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("reader_len", [1, 3], ids=["decode-reader", "chunk-reader"])
