@@ -232,6 +232,37 @@ def test_decode_rows_count_first(step: ModuleType, make_engine) -> None:
     assert got == [(1, False)] * 3 + [(2 * BS, True)]
 
 
+def test_a_preempted_decoders_token_stays_set_aside_for_the_round(
+    step: ModuleType, make_engine
+) -> None:
+    """The decode tokens are set aside at the round's start, and a decoding request preempted
+    later in the round keeps its: A decodes and needs a block, the pool has none, so V (the
+    youngest, decoding) goes, and X's prefill chunk is cut from 13 - 2 tokens (two blocks), not
+    from the 13 - 1 left once V is gone (three blocks would fit: V gave back four). A departure
+    from vLLM, which never counted V; step14_9's README says so."""
+    requires_fix(step, "step14_9")
+    engine = make_engine(max_running=4, enable_prefix_cache=False, max_num_batched_tokens=13)
+    rounds = watched(engine)
+    a, x, v = (
+        engine.add_request(tokens(930 + i, n), m)
+        for i, (n, m) in enumerate([(BS, 40), (50 * BS, 2), (1, 40)])
+    )
+    while True:  # until A's next token starts a block, and V holds four blocks
+        running = {seq.seq_id: seq for seq in engine.scheduler.running}
+        seq_a, seq_x, seq_v = (running.get(i) for i in (a, x, v))
+        if seq_v is not None and (seq_a.num_tokens - 1) % BS == 0 and len(seq_v.block_table) >= 4:
+            break
+        engine.step()
+    assert seq_x.status is SequenceStatus.PREFILLING and seq_v.status is SequenceStatus.RUNNING
+    block_manager = engine.kv_cache_manager.block_manager
+    held = block_manager.allocate(block_manager.num_free)  # another tenant takes the rest
+    engine.step()
+    block_manager.free(held)
+    assert seq_v.status is SequenceStatus.PREEMPTED and engine.stats.preemptions == 1
+    chunks = {seq_id: n for seq_id, _, n, _ in rounds.chunks[-1]}
+    assert chunks == {a: 1, x: 2 * BS}
+
+
 # ---- sharing: every shared block still computed once -------------------------------------------
 
 
