@@ -7,9 +7,9 @@ with every other user of the tenant, and its own history with its previous turn:
 cache can serve, if the request lands where that prefix is.
 
 The prompts are words of the word-level checkpoint the bench writes (``w17 w3 ...``: one word,
-one token, ``tools/toy_checkpoint.py``), sent as text through the router and each answer read
-back as token ids, exactly. The client (``drive``) streams each request, times it (sent, first
-text, last text) and sends the next turn when the answer is whole.
+one token, ``python -m front.toy_checkpoint``), sent as text through the router and each answer
+read back as token ids, exactly. The client (``drive``) streams each request, times it (sent,
+first text, last text) and sends the next turn when the answer is whole.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ serves that endpoint only with ``VLLM_SERVER_DEV_MODE=1``; without it, the runs 
 find the prefix cached, and the bench says so).
 
 One event per token is what TPOT needs: a tokenizer whose every token decodes to text of its
-own gives it (``tools/toy_checkpoint.py`` writes one); a byte-level one holds back the bytes of
-a cut character, and its events then come fewer and later.
+own gives it (``python -m front.toy_checkpoint`` writes one); a byte-level one holds back the
+bytes of a cut character, and its events then come fewer and later.
 """
 
 from __future__ import annotations

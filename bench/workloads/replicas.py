@@ -26,13 +26,12 @@ from __future__ import annotations
 import asyncio
 import math
 import statistics
-import subprocess
-import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from common.config import PRESETS, preset
+from front import toy_checkpoint
 from front.cli import plural
 
 from .. import charts
@@ -63,7 +62,6 @@ DEFAULTS = dict(
 )
 NOT_READ = "makes its own conversations"
 HELP = __doc__.split("\n\n")[0]
-TOY = Path(__file__).resolve().parents[2] / "tools" / "toy_checkpoint.py"
 SERVED_NAME = "toy"
 
 
@@ -294,9 +292,9 @@ def chart(path: Path, runs: list[PolicyRun], policies: tuple[str, ...], ideal: i
 
 
 def write_checkpoint(folder: Path, model: str) -> Path:
-    """The preset as a checkpoint the servers load (its seeded weights, a word-level tokenizer)."""
-    command = [sys.executable, str(TOY), str(folder), "--preset", model]
-    subprocess.run(command, check=True, capture_output=True, text=True)
+    """The preset as a checkpoint the servers load (its seeded weights, a word-level tokenizer):
+    ``python -m front.toy_checkpoint``'s."""
+    toy_checkpoint.save(folder, model)
     return folder
 
 
