@@ -80,7 +80,8 @@ class RequestStream:
     def __init__(self, key: int, arrival: float) -> None:
         self.key = key  # the request's name between this side and the engine core
         self.times = RequestStateStats(arrival)
-        self.ended_by: str | None = None  # why it was aborted, when it was (``abort``)
+        # Why this side ended it, when it did (``abort``): decided once, by the first abort.
+        self.ended_by: str | None = None
         self._pending: RequestOutput | None = None
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
@@ -197,8 +198,12 @@ class AsyncLLM:
         ends with a ``finish_reason="abort"`` output. A finished request is left alone.
         ``finish_reason="stop"``: it was ended by a stop string, which ``/metrics`` counts as
         such (vLLM ends such a request the same way: its detokenizer finds the string, and
-        the request is aborted in the engine)."""
-        if stream.key in self._streams and self.dead is None:
+        the request is aborted in the engine).
+
+        What ended a request is decided once: the first abort. A later one (the answer's
+        end, which aborts whatever is left of it, or a client that leaves meanwhile) finds
+        the request already ending and changes nothing: a stop string stays the reason."""
+        if stream.key in self._streams and self.dead is None and stream.ended_by is None:
             stream.ended_by = finish_reason
             self.core.send(Abort(stream.key))
 

@@ -6,8 +6,10 @@ starts the answer and puts its choices in the endpoint's response: the flow goes
 
 A choice whose text reaches a stop string ends there: its request is aborted in the engine
 (as vLLM's detokenizer finds the string and its output processor aborts the request), so no
-block is held for tokens nobody reads, and ``/metrics`` counts it as "stop". The tokens it
-counts are those up to the one that completed the string, as in vLLM.
+block is held for tokens nobody reads, and ``/metrics`` counts it as "stop" (the first abort
+decides why a request ended: the answer's own abort at its end changes nothing). The answer
+ends once the engine has let the request go, a round later. The tokens it counts are those
+up to the one that completed the string, as in vLLM.
 
 ``usage`` counts each prompt once, however many choices it has (OpenAI's rule), and so its
 ``cached_tokens``: what the prefix cache served the prompt's choices, averaged over them. The
@@ -26,7 +28,7 @@ from common.inputs import Request
 from common.sampling_params import RequestOutput
 
 from ..stream import IncrementalDetokenizer, StopStrings, answer_ids
-from .async_llm import AsyncLLM, RequestStream
+from .async_llm import AsyncLLM, EngineDeadError, RequestStream
 from .protocol import ChatCompletionRequest, OpenAIError, SamplingRequest
 from .responses import (
     ChatChoice,
@@ -158,11 +160,19 @@ class Answer:
         return piece
 
     async def follow(self, choice: Choice) -> AsyncIterator[str]:
-        """The pieces of text of one choice, until it is done."""
+        """The pieces of text of one choice, until it is done; one that a stop string ended
+        then waits for the engine's word that its request ended (the round after the abort,
+        whose tokens nobody reads): once the answer is out, the request no longer runs, its
+        blocks are back and ``/metrics`` has counted its end."""
         async for output in choice.stream:
             yield await self.read(choice, output)
             if choice.done:
-                return
+                break
+        try:
+            async for _ in choice.stream:  # nothing left unless a stop string ended it
+                pass
+        except EngineDeadError:
+            pass  # the engine is gone, and the request with it: the answer stands
 
     # ---- whole --------------------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ process of its own.
   process alike;
 - a bad request is refused at once, naming the field, and the engine never sees it;
 - ``abort`` from a coroutine ends the stream with ``finish_reason="abort"``; a request aborted
-  before its first round computes nothing;
+  before its first round computes nothing; the first abort decides why a request ended (a
+  stop string's "stop" stays, whatever aborts it after);
 - no lock is held across a model call: while a round runs, ``abort`` returns at once and the
   event loop goes on;
 - ``step()`` raising fails every request in flight and every later call (nothing hangs); so
@@ -37,8 +38,9 @@ from front.serve.async_llm import (
     RequestStream,
     build_async_engine_client,
 )
+from front.serve.metrics import Metrics
 from tests.helpers import STEP_NAMES, TINY, EngineFactory, tokens
-from tests.serve.server_process import tiny_engine
+from tests.serve.server_process import metric, tiny_engine
 
 PROMPTS = [tokens(1, 13), tokens(2, 9), tokens(1, 13)[:8] + tokens(3, 6)]
 PARAMS = [SamplingParams(max_tokens=6, temperature=0.8, seed=i) for i in range(len(PROMPTS))]
@@ -115,6 +117,28 @@ def test_abort_from_a_coroutine_ends_the_stream(make_engine: EngineFactory) -> N
     got = run(make_engine, body)
     assert got[-1].finished and got[-1].finish_reason == "abort"
     assert len(got[-1].token_ids) < LONG.max_tokens
+
+
+def test_what_ended_a_request_is_decided_once(make_engine: EngineFactory) -> None:
+    """A request that a stop string ended (``abort(stream, "stop")``) and that is aborted again
+    before the engine took the first abort (an answer's end aborts whatever is left of it; a
+    client may leave): ``/metrics`` counts it as ended by "stop", once."""
+    metrics = Metrics("toy", TINY.total_blocks)
+
+    async def main() -> list[RequestOutput]:
+        async with build_async_engine_client(TINY, make_engine, True, metrics.record) as llm:
+            stream = llm.add_request(PROMPTS[0], LONG)
+            first = await anext(stream)
+            llm.abort(stream, finish_reason="stop")
+            llm.abort(stream)
+            assert stream.ended_by == "stop"
+            return [first] + await outputs(stream)
+
+    got = asyncio.run(main())
+    assert got[-1].finished and len(got[-1].token_ids) < LONG.max_tokens
+    page = metrics.render().decode()
+    assert metric(page, "vllm:request_success_total", finished_reason="stop") == 1
+    assert metric(page, "vllm:request_success_total", finished_reason="abort") == 0
 
 
 def hold_rounds(engine: Any) -> tuple[threading.Event, threading.Event]:

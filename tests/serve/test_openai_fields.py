@@ -17,7 +17,7 @@ plain reference sampler written here, over the dense reference model):
 from __future__ import annotations
 
 import uuid
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,9 @@ from tests.serve.test_openai_api import chat, client, offline, wait_until_idle
 PROMPT = "The weather is nice today and the cat"
 SAMPLED = {"temperature": 1.0, "seed": 5}
 BLOCK = 4  # the test servers' --block-size
+# The most rounds the engine may run past a stop string before its abort lands (it lands
+# about a round after it is sent; docs/serving.md measures the same for a disconnect).
+ROUNDS_AHEAD = 16
 
 
 def completion_text(server: ServerProcess, checkpoint: Path, **options: Any) -> Any:
@@ -104,6 +107,53 @@ def test_a_stream_never_shows_what_a_stop_string_takes_back(server: ServerProces
         shown += chunk.choices[0].text
         assert stop not in shown
         assert free.choices[0].text.startswith(shown)
+
+
+LONG = 400  # max_tokens far past the stop string: a request left running would show
+
+
+def stopped_answer(server: ServerProcess, endpoint: str, stream: bool) -> tuple[str, int]:
+    """A completion or a chat, whole or streamed, that a stop string ends half-way (its
+    string picked from a first, free answer), with ``LONG`` tokens allowed: its finish reason
+    and its ``completion_tokens``. ``/metrics`` before it, read once the server is idle."""
+    api = client(server)
+    if endpoint == "chat":
+        create: Any = partial(api.chat.completions.create, messages=chat("Is the cat happy?"))
+        free = create(model=SERVED_NAME, max_tokens=24, **SAMPLED).choices[0].message.content
+    else:
+        create = partial(api.completions.create, prompt=PROMPT)
+        free = create(model=SERVED_NAME, max_tokens=24, **SAMPLED).choices[0].text
+    asked = {"model": SERVED_NAME, "max_tokens": LONG, "stop": [stop_string_of(free)], **SAMPLED}
+    if not stream:
+        answer = create(**asked)
+        return answer.choices[0].finish_reason, answer.usage.completion_tokens
+    chunks = list(create(stream=True, stream_options={"include_usage": True}, **asked))
+    return chunks[-2].choices[0].finish_reason, chunks[-1].usage.completion_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_a_stop_string_ends_the_engines_request(
+    server: ServerProcess, endpoint: str, stream: bool
+) -> None:
+    """Once the answer is out, its request no longer runs (``/metrics`` says so at once, not
+    after polling), the engine generated the answer's tokens and not ``max_tokens`` of them
+    (a few more at most: the rounds that ran before the abort landed), and the request is
+    counted as ended by "stop", whole or streamed alike (a whole answer's end, which aborts
+    what is left of it, once overwrote that with "abort")."""
+    before = wait_until_idle(server)
+    finish_reason, completion_tokens = stopped_answer(server, endpoint, stream)
+    after = httpx.get(server.url + "/metrics").text
+
+    def grew(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert finish_reason == "stop" and completion_tokens < 24
+    assert metric(after, "vllm:num_requests_running") == 0
+    generated = grew("vllm:generation_tokens_total") - 24  # the free answer's, first
+    assert completion_tokens <= generated < completion_tokens + ROUNDS_AHEAD
+    assert grew("vllm:request_success_total", finished_reason="stop") == 1
+    assert grew("vllm:request_success_total", finished_reason="abort") == 0
 
 
 # ---- n choices -------------------------------------------------------------------------------
