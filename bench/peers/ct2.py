@@ -34,8 +34,14 @@ WARM = ("CTranslate2 (warm prefix)", "the same, the static prompt's state cached
 
 
 def rows(twin, cfg: ModelConfig, prompts, workload, threads: int, timed) -> list[Row]:
-    """The cold and warm rows, each warmed up (no warm row without a shared prefix)."""
-    generator = load_generator(twin, cfg, threads)
+    """The cold and warm rows, each warmed up (no warm row without a shared prefix); none,
+    with CTranslate2's own reason in one line, when it cannot compute in the model's dtype on
+    this device (its CPU build refuses bfloat16 and float16 when it loads the model)."""
+    try:
+        generator = load_generator(twin, cfg, threads)
+    except ValueError as refused:
+        print(f"  (CTranslate2 rows skipped: {cfg.dtype_name} on {cfg.device}: {refused})")
+        return []
     shared = workload.prefix_len
     made = [timed(*COLD, static_prompt_run(generator, cfg, prompts, workload, shared, False), True)]
     if shared:

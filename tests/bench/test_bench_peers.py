@@ -2,9 +2,10 @@
 Face twin, and what happens where it cannot run.
 
 Without ``ctranslate2`` (CI installs ``.[test]`` only) a run skips its rows with one line and
-still passes; the tests that need the package skip. With it, both rows give the dense
-reference's tokens, count the static prompt once (cold) or not at all (warm), and run on
-``--threads`` threads.
+still passes; the tests that need the package skip. A dtype it refuses to compute in here
+(its CPU build: bfloat16, float16) skips its rows with its reason, never a traceback. With it,
+both rows give the dense reference's tokens, count the static prompt once (cold) or not at all
+(warm), and run on ``--threads`` threads.
 """
 
 from __future__ import annotations
@@ -61,6 +62,32 @@ def test_a_model_it_cannot_compute_is_skipped_with_the_reason(changes, why, caps
     assert not ct2.available(preset("tiny", **changes))
     assert why in capsys.readouterr().out
     assert ct2.available(preset("tiny", rope_scaling=Llama3RopeScaling(4.0, 1.0, 4.0, 8192)))
+
+
+REFUSED = (
+    "Requested bfloat16 compute type, but the target device or backend do not support "
+    "efficient bfloat16 computation."
+)  # what CTranslate2's CPU build raises when it loads a model to compute in bfloat16
+
+
+def test_a_dtype_it_cannot_compute_in_is_one_line_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """A stand-in CTranslate2 that refuses the dtype as the real one does: its rows skip with
+    its reason, and the run (the steps and HF in bfloat16) ends well."""
+
+    def refuse(*args: object) -> None:
+        raise ValueError(REFUSED)
+
+    monkeypatch.setattr(ct2, "available", lambda cfg: True)
+    monkeypatch.setattr(ct2, "load_generator", refuse)
+    argv = [arg for arg in TINY_RUN if arg != "--no-hf"] + ["--dtype", "bfloat16", "--quiet"]
+    assert cli.main([*argv, "--no-reference", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    skips = [line for line in out.splitlines() if "CTranslate2 rows" in line]
+    assert skips == [f"  (CTranslate2 rows skipped: bfloat16 on cpu: {REFUSED})"]
+    assert "| CTranslate2" not in out and "| HF generate" in out
+    assert "every row produced the same tokens" in out
 
 
 def test_the_converter_reads_the_token_ids_as_the_vocabulary() -> None:
@@ -137,3 +164,18 @@ def test_ctranslate2_runs_after_every_torch_row_is_measured(
     measure = lambda: events.append("measured")  # noqa: E731
     peers.peer_rows(preset("tiny"), None, SharedPrefix(), options, None, measure)
     assert events == ["hf registered", "measured", "ct2 made"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_dtype_its_cpu_build_refuses_skips_its_rows_with_its_reason(
+    dtype: str, tmp_path: Path, capsys
+) -> None:
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    if dtype in ctranslate2.get_supported_compute_types("cpu"):
+        pytest.skip(f"this CTranslate2 computes in {dtype} on this CPU")
+    argv = [*TINY_RUN, "--dtype", dtype, "--no-reference", "--quiet", "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    skips = [line for line in out.splitlines() if "CTranslate2 rows" in line]
+    assert len(skips) == 1 and f"Requested {dtype} compute type" in skips[0], skips
+    assert "| CTranslate2" not in out
