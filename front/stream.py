@@ -43,7 +43,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from os.path import commonprefix
 from typing import TextIO
 
 from common.errors import RequestError
@@ -183,7 +182,8 @@ class IncrementalDetokenizer:
         answer's first bytes complete a character the priming cut)."""
         if text.startswith(self._primed):
             return text[len(self._primed) :]
-        return text[len(commonprefix([text, self._primed])) :]
+        same = next((i for i, (a, b) in enumerate(zip(text, self._primed)) if a != b), None)
+        return text[min(len(text), len(self._primed)) if same is None else same :]
 
     def _hand_out(self, end: int) -> str:
         end = len(self.text) if self.stop_reason is not None else end
