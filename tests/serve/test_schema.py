@@ -67,8 +67,9 @@ def fits(served: ServedModel, vocab: int, path: str, body: Any) -> bool:
         return False
     if body.get("best_of") is not None and body["best_of"] != body.get("n", 1):
         return False
-    max_tokens = body.get("max_tokens")
-    if (body.get("min_tokens") or 0) > (CONTEXT if max_tokens is None else max_tokens):
+    min_tokens, max_tokens = body.get("min_tokens"), body.get("max_tokens")
+    top = max_tokens if type(max_tokens) in (int, float) else CONTEXT
+    if type(min_tokens) in (int, float) and min_tokens > top:
         return False
     if type(max_tokens) in (int, float) and max_tokens == 0 and body.get("echo") is not True:
         return False
