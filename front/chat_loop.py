@@ -104,10 +104,9 @@ class ChatSession:
         request_id = self.engine.add_request(ids, None, eos, sampling_params=params)
         self.answering, self._stop = True, False
         try:
-            final = self._stream(request_id)
+            final, answer = self._stream(request_id, ids)
         finally:
             self.answering = False
-        answer = self.codec.decode(answer_ids(final))
         self.messages = [*conversation, {"role": "assistant", "content": answer}]
         return Turn(len(ids), final.num_cached_tokens, len(final.token_ids), final.finish_reason)
 
@@ -119,10 +118,11 @@ class ChatSession:
             return self.params
         return replace(self.params, max_tokens=limit - prompt_len)
 
-    def _stream(self, request_id: int) -> RequestOutput:
-        """Rounds until the request ends, its text written as it grows; ``interrupt`` aborts
-        it between two rounds."""
-        detokenizer = IncrementalDetokenizer(self.codec.decode)
+    def _stream(self, request_id: int, prompt_ids: list[int]) -> tuple[RequestOutput, str]:
+        """Rounds until the request ends, its text written as it grows (decoded after the
+        prompt, as the server decodes it); ``interrupt`` aborts it between two rounds. The
+        last output, and the answer's text."""
+        detokenizer = IncrementalDetokenizer(self.codec.decode, prompt_ids=prompt_ids)
         out = self.out or sys.stdout
         aborted = False
         while True:
@@ -138,7 +138,7 @@ class ChatSession:
                 out.flush()
                 if output.finished:
                     out.write("\n")
-                    return output
+                    return output, detokenizer.text
 
 
 def chat(session: ChatSession, lines: TextIO, out: TextIO) -> None:

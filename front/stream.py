@@ -22,10 +22,20 @@ what they produced meanwhile is printed at once when their turn comes, after whi
 live too. Each answer ends with why it stopped, as a non-streamed answer does: stdout is the
 same with and without ``--stream``, only sooner.
 
-Decoding all the ids each round costs O(n) per token, O(n^2) per answer: microseconds for the
-answers of a tutorial (the Rust tokenizer decodes millions of tokens a second). vLLM keeps
-offsets into the ids to decode a short window instead; the whole decode is the one whose
-pieces provably add up to the final text.
+The detokenizer is primed with the prompt's last ids, as vLLM primes its own (a
+``tokenizers.DecodeStream`` fed the prompt's tail first): the answer's text is what its ids add
+to the prompt's, not what they make on their own. The difference is a space. A SentencePiece
+tokenizer (Metaspace: Llama 2, TinyLlama, Mistral) writes a word's space as ``▁`` on the word's
+own token, and its decoder drops the ``▁`` of the first token it decodes: ``▁Paris`` alone is
+``Paris``, after ``▁is`` it is `` Paris``. Decoded on its own, an answer would lose its first
+space (``"The capital of France isParis"`` with echo). The prompt's tail is vLLM's: the shortest
+end of at least 4 ids that decodes to whole characters (``priming_ids``). Byte-level BPE
+(GPT-2, Llama 3, SmolLM2) keeps the space in the token (``Ġ``), so priming changes nothing there.
+
+Decoding the tail and all the answer's ids each round costs O(n) per token, O(n^2) per answer:
+microseconds for the answers of a tutorial (the Rust tokenizer decodes millions of tokens a
+second). vLLM keeps offsets into the ids to decode a short window instead; the whole decode is
+the one whose pieces provably add up to the final text.
 """
 
 from __future__ import annotations
@@ -88,6 +98,25 @@ class StopStrings:
 NO_STOP = StopStrings()
 
 
+PRIMING_MIN = 4  # vLLM's: the prompt's last ids the detokenizer starts from, at least
+PRIMING_MAX = 23  # ... and at most, looking for an end that decodes to whole characters
+
+
+def priming_ids(decode: Decode, prompt_ids: Sequence[int]) -> list[int]:
+    """The prompt's last ids that an answer's text is decoded after (vLLM's
+    ``FastIncrementalDetokenizer``): the shortest end of ``PRIMING_MIN`` ids or more that
+    decodes to whole characters (no U+FFFD); a prompt of ``PRIMING_MIN`` ids or fewer whole.
+    Where no end up to ``PRIMING_MAX`` ids decodes whole, vLLM takes the whole prompt; this
+    takes those ``PRIMING_MAX`` (each round decodes them again: a long prompt would cost it)."""
+    ids = list(prompt_ids)
+    if len(ids) <= PRIMING_MIN:
+        return ids
+    for size in range(PRIMING_MIN, min(len(ids), PRIMING_MAX) + 1):
+        if REPLACEMENT_CHAR not in decode(ids[-size:]):
+            return ids[-size:]
+    return ids[-PRIMING_MAX:]
+
+
 class IncrementalDetokenizer:
     """One request's text, handed out piece by piece as its token ids grow: ``update(ids)``
     the text all the ids so far add, ``finish(ids)`` the rest, the end included (a U+FFFD
@@ -95,11 +124,18 @@ class IncrementalDetokenizer:
 
     With stop strings, the text ends at the first one (``stop_reason`` then says which, and
     ``num_tokens`` how many tokens the answer took: those after it are not the answer's), and
-    text that could still become one is held back until it cannot."""
+    text that could still become one is held back until it cannot.
 
-    def __init__(self, decode: Decode, stop: StopStrings = NO_STOP) -> None:
+    ``prompt_ids``: the request's prompt, whose last ids (``priming_ids``) the answer is
+    decoded after, so that its first word keeps its space with every tokenizer."""
+
+    def __init__(
+        self, decode: Decode, stop: StopStrings = NO_STOP, prompt_ids: Sequence[int] = ()
+    ) -> None:
         self._decode = decode
         self._stop = stop
+        self._priming = priming_ids(decode, prompt_ids)
+        self._primed = decode(self._priming) if self._priming else ""  # the priming's own text
         self.text = ""  # the answer's text so far (up to a stop string, once one is found)
         self.printed = ""  # the text handed out so far
         self.stop_reason: str | None = None  # the stop string that ended the text
@@ -126,7 +162,7 @@ class IncrementalDetokenizer:
             self._decode_to(token_ids, final=True)
 
     def _decode_to(self, token_ids: Sequence[int], final: bool) -> None:
-        text = self._decode(list(token_ids))
+        text = self._after_priming(self._decode(self._priming + list(token_ids)))
         if not final and text.endswith(REPLACEMENT_CHAR):
             return  # a character cut between tokens: wait for its last bytes
         if not text.startswith(self.printed):
@@ -140,6 +176,14 @@ class IncrementalDetokenizer:
         if hit is not None:
             at, self.stop_reason = hit
             self.text = text[: at + len(hit[1]) if self._stop.include_stop_str_in_output else at]
+
+    def _after_priming(self, text: str) -> str:
+        """What the answer's ids add to the priming's text (where the two part, should the
+        answer's first bytes complete a character the priming cut)."""
+        if text.startswith(self._primed):
+            return text[len(self._primed) :]
+        same = next((i for i, (a, b) in enumerate(zip(text, self._primed)) if a != b), None)
+        return text[min(len(text), len(self._primed)) if same is None else same :]
 
     def _hand_out(self, end: int) -> str:
         end = len(self.text) if self.stop_reason is not None else end
@@ -200,7 +244,9 @@ class StreamPrinter:
     """``--stream``: ``printer(index, output)`` for each ``RequestOutput`` of request
     ``index`` (in the order of ``prompts``), as ``step()`` hands them out. ``out`` (None:
     ``sys.stdout`` at each write) is flushed after every piece: a pipe sees the text at once.
-    ``stop``: the stop strings the requests were served with (an answer ends at one)."""
+    ``stop``: the stop strings the requests were served with (an answer ends at one);
+    ``prompt_ids``: each request's prompt ids, which its answer is decoded after
+    (``IncrementalDetokenizer``); None: none."""
 
     def __init__(
         self,
@@ -208,9 +254,11 @@ class StreamPrinter:
         prompts: Sequence[Prompt],
         out: TextIO | None = None,
         stop: StopStrings = NO_STOP,
+        prompt_ids: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self._prompts = list(prompts)
-        self._answers = [_Answer(IncrementalDetokenizer(decode, stop)) for _ in self._prompts]
+        primes = prompt_ids if prompt_ids is not None else [()] * len(self._prompts)
+        self._answers = [_Answer(IncrementalDetokenizer(decode, stop, ids)) for ids in primes]
         self._shown = 0  # the answer that has the screen
         self._out = out
 

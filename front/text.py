@@ -325,8 +325,8 @@ def run_requests(
     eos = frozenset(requests.eos_token_ids) or None
     decode = requests.codec.decode
     answers = [
-        TextAnswer(IncrementalDetokenizer(decode, requests.stop_strings(i)))
-        for i in range(len(requests.requests))
+        TextAnswer(IncrementalDetokenizer(decode, requests.stop_strings(i), r.prompt_ids))
+        for i, r in enumerate(requests.requests)
     ]
     with torch.inference_mode():
         index = {

@@ -263,7 +263,10 @@ def run(step_name: str, options: TextRun) -> int:
     print_banner(requests, options.text)
     tracers: list[RoundTracer] = []
     attach = (lambda engine: tracers.append(RoundTracer(engine))) if options.trace.wanted else None
-    printer = StreamPrinter(requests.codec.decode, options.prompts) if options.stream else None
+    prompt_ids = [request.prompt_ids for request in requests.requests]
+    printer = None
+    if options.stream:
+        printer = StreamPrinter(requests.codec.decode, options.prompts, prompt_ids=prompt_ids)
     result = serve_requests(engine, requests, attach, printer)
     if printer is None:
         print_answers(result)

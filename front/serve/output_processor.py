@@ -11,6 +11,12 @@ decides why a request ended: the answer's own abort at its end changes nothing).
 ends once the engine has let the request go, a round later. The tokens it counts are those
 up to the one that completed the string, as in vLLM.
 
+A completion with ``echo`` and ``max_tokens: 0`` is the prompt alone (vLLM's
+``echo_without_generation``), with its log-probabilities when ``logprobs`` asks: the engine,
+which needs ``max_tokens`` of at least 1, computes them while it makes one token, as vLLM's
+does, and the answer drops that token: no text, ``completion_tokens`` 0 (vLLM counts the
+dropped token there), ``finish_reason`` "length" (``max_tokens`` reached at once).
+
 ``usage`` counts each prompt once, however many choices it has (OpenAI's rule), and so its
 ``cached_tokens``: what the prefix cache served the prompt's choices, averaged over them. The
 ``n`` choices of a new prompt compute each of its full blocks once between them and adopt it
@@ -51,10 +57,16 @@ class Choice:
     """One choice: its request's stream, its text so far, its tokens' log-probabilities."""
 
     def __init__(
-        self, index: int, prompt: EnginePrompt, stream: RequestStream, text: IncrementalDetokenizer
+        self,
+        index: int,
+        prompt: EnginePrompt,
+        stream: RequestStream,
+        text: IncrementalDetokenizer,
+        echo_only: bool = False,
     ) -> None:
         self.index = index  # OpenAI's: prompt i's choice j is i * n + j
         self.prompt = prompt
+        self.echo_only = echo_only  # echo with max_tokens 0: the engine's one token dropped
         self.stream = stream
         self.text = text
         self.output: RequestOutput | None = None
@@ -77,12 +89,14 @@ class Choice:
     def finish_reason(self) -> str | None:
         if self.stop_reason is not None:
             return "stop"
+        if self.echo_only and self.done:
+            return "length"
         return self.output.finish_reason if self.output is not None else None
 
     @property
     def num_tokens(self) -> int:
         """Tokens generated, the eos included, up to the one that completed a stop string."""
-        if self.output is None:
+        if self.output is None or self.echo_only:
             return 0
         return self.text.num_tokens if self.stop_reason else len(self.output.token_ids)
 
@@ -97,6 +111,8 @@ class Choice:
             self.entries.extend(output.logprobs or ())
         if prompt_logprobs and output.prompt_logprobs is not None:
             self.prompt_entries = list(output.prompt_logprobs)
+        if self.echo_only:
+            return ""
         ids = answer_ids(output)
         return self.text.finish(ids) if output.finished else self.text.update(ids)
 
@@ -127,6 +143,7 @@ class Answer:
         self.chat = isinstance(request, ChatCompletionRequest)
         self.logprobs = logprobs is not None
         self.echo = request.echo
+        self.echo_only = request.echo and request.max_tokens == 0
         self.stop = StopStrings(
             request.stop_strings(), request.include_stop_str_in_output, request.min_tokens or 0
         )
@@ -139,8 +156,9 @@ class Answer:
         for prompt, children in zip(self.prompts, requests, strict=True):
             for request in children:
                 stream = self.llm.add_checked(request)
-                text = IncrementalDetokenizer(self.model.codec.decode, self.stop)
-                self.choices.append(Choice(len(self.choices), prompt, stream, text))
+                text = IncrementalDetokenizer(self.model.codec.decode, self.stop, prompt.ids)
+                choice = Choice(len(self.choices), prompt, stream, text, self.echo_only)
+                self.choices.append(choice)
 
     def abort(self) -> None:
         """Every choice's request that is still running, aborted (a no-op for the others)."""

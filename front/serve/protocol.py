@@ -4,7 +4,11 @@
 
 Requests are pydantic models in strict mode, so ``"max_tokens": true`` or ``"temperature":
 "hot"`` is refused rather than read as 1 or as an error deeper down, and every bound a field has
-is declared on it: the published schema (``/openapi.json``) says what the server takes. A field
+is declared on it: the published schema (``/openapi.json``) says what the server takes. An
+integer may be written as a float with no fractional part (``"max_tokens": 2.0``, a seed as
+``5819723.0``, token ids): JSON Schema counts it an integer, and so do vLLM's models (pydantic's
+lax mode); ``2.5`` is refused, as vLLM refuses it. vLLM's lax mode also reads ``"2"`` and
+``true`` as integers, and ``0`` as a boolean: this server refuses them, as its schema says. A field
 of the OpenAI API that this server does not do is declared too, with only the values that ask
 for nothing (``tools: []``, ``tool_choice: "auto"`` without tools, ``suffix: ""``...); any other
 value is refused with a 400 that names it (``REFUSED``). Fields nobody knows are ignored, as
@@ -15,7 +19,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic_core import PydanticCustomError
 
 from common.sampling_params import MAX_SEED
 
@@ -58,7 +63,32 @@ class OpenAIError(Exception):
 
 # ---- the pieces of a request ---------------------------------------------------------------
 
-TokenId = Annotated[int, Field(ge=0)]
+
+def integral(value: Any) -> Any:
+    """A float with no fractional part (``2.0``) as the integer it is: JSON Schema's "integer"
+    takes it, and so does vLLM's lax pydantic. Anything else is left to the strict check."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+def exact_bool(value: Any) -> Any:
+    """A boolean only: a ``Literal[True]`` or ``Literal[False]`` alone takes ``1`` and ``0`` (and
+    ``1.0``), which equal them in Python, and the schema does not."""
+    if type(value) is not bool:
+        raise PydanticCustomError("bool_type", "Input should be a valid boolean")
+    return value
+
+
+def integer(**bounds: int) -> Any:
+    """An integer field's type, written 2 or 2.0 (``integral``), within ``bounds`` (``ge``,
+    ``le``, ...: declared before the conversion, so that the schema says ``minimum``...)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(integral)]
+
+
+TokenId = integer(ge=0)
+OnlyTrue = Annotated[Literal[True], BeforeValidator(exact_bool)]
+OnlyFalse = Annotated[Literal[False], BeforeValidator(exact_bool)]
 StopString = Annotated[str, Field(min_length=1)]
 TEXT_PART = {
     "type": "object",
@@ -121,22 +151,22 @@ class SamplingRequest(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="allow")  # unknown fields: ignored
     model: str | None = None  # None: the one model this server serves
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: integer(ge=1) | None = None
     temperature: float | None = Field(None, ge=0)  # None: generation_config's, else 1.0
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)  # vLLM's extension; 0 or -1: all tokens
+    top_k: integer(ge=-1) | None = None  # vLLM's extension; 0 or -1: all tokens
     min_p: float | None = Field(None, ge=0, le=1)  # vLLM's extension
-    seed: int | None = Field(None, ge=0, lt=MAX_SEED)
+    seed: integer(ge=0, lt=MAX_SEED) | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extension
-    min_tokens: int | None = Field(None, ge=0)  # vLLM's extension
+    min_tokens: integer(ge=0) | None = None  # vLLM's extension
     stop: StopString | list[StopString] | None = None
     include_stop_str_in_output: bool = False  # vLLM's extension
     stop_token_ids: list[TokenId] | None = None  # vLLM's extension
     ignore_eos: bool = False  # vLLM's extension: run to max_tokens (benchmarks use it)
-    n: int = Field(1, ge=1, le=MAX_N)
-    best_of: int | None = Field(None, ge=1, le=MAX_N)  # only as n: this server ranks nothing
+    n: integer(ge=1, le=MAX_N) = 1
+    best_of: integer(ge=1, le=MAX_N) | None = None  # only as n: this server ranks nothing
     stream: bool = False
     stream_options: StreamOptions | None = None
     echo: bool = False  # the prompt before the answer (with logprobs: the prompt's too)
@@ -155,12 +185,12 @@ class SamplingRequest(BaseModel):
     guided_choice: None = None
     guided_grammar: None = None
     structured_outputs: None = None
-    use_beam_search: Literal[False] = False
+    use_beam_search: OnlyFalse = False
     prompt_logprobs: None = None  # completions: echo with logprobs gives them
     allowed_token_ids: None = None
     bad_words: list[Any] | None = Field(None, max_length=0)
     truncate_prompt_tokens: None = None
-    skip_special_tokens: Literal[True] = True
+    skip_special_tokens: OnlyTrue = True
 
     def max_tokens_asked(self) -> int | None:
         return self.max_tokens
@@ -173,9 +203,12 @@ class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``: a prompt (or several) continued."""
 
     prompt: Annotated[Any, WithJsonSchema(PROMPT_SCHEMA)]
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
+    logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None  # alternatives per token
+    # 0: with echo only, the prompt (and with logprobs its log-probabilities) and no answer:
+    # vLLM's ``echo_without_generation``, how older scoring scripts ask
+    max_tokens: integer(ge=0) | None = None
     suffix: Literal[""] | None = None
-    add_special_tokens: Literal[True] = True  # vLLM's: a string prompt gets its BOS
+    add_special_tokens: OnlyTrue = True  # vLLM's: a string prompt gets its BOS
     # chat's name for max_tokens, which vLLM's completions do not take (they ignore it)
     max_completion_tokens: None = None
 
@@ -187,16 +220,26 @@ class CompletionRequest(SamplingRequest):
     def logprobs_asked(self) -> int | None:
         return self.logprobs
 
+    def max_tokens_asked(self) -> int | None:
+        if self.max_tokens == 0 and not self.echo:
+            raise OpenAIError(
+                400,
+                "max_tokens=0 asks for no answer: it is taken with echo only (the prompt, and "
+                "with logprobs its log-probabilities)",
+                param="max_tokens",
+            )
+        return self.max_tokens
+
 
 class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``: a conversation answered."""
 
     messages: Messages
-    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    max_completion_tokens: integer(ge=1) | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # with logprobs: true
-    echo: Literal[False] = False  # vLLM's: the last message echoed; not done here
-    add_special_tokens: Literal[False] = False  # the template writes them
+    top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None  # with logprobs: true
+    echo: OnlyFalse = False  # vLLM's: the last message echoed; not done here
+    add_special_tokens: OnlyFalse = False  # the template writes them
 
     def max_tokens_asked(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -232,13 +275,14 @@ class DetokenizeRequest(BaseModel):
 def as_prompts(prompt: Any) -> Prompts:
     """A completion's ``prompt`` as a list of prompts: a string, a list of strings, token ids
     or a list of token-id lists (OpenAI's four forms); anything else, or an empty one, is
-    refused, saying which form was meant."""
+    refused, saying which form was meant. A token id may be written ``5.0`` (``integral``)."""
     forms = "a string, a list of strings, token ids or a list of token-id lists"
     if isinstance(prompt, str):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
         got = "an empty list" if prompt == [] else type(prompt).__name__
         raise ValueError(f"prompt must be {forms}, got {got}")
+    prompt = [[integral(t) for t in p] if isinstance(p, list) else integral(p) for p in prompt]
     if all(type(t) is int for t in prompt):
         prompt = [prompt]
     if all(isinstance(p, str) for p in prompt):

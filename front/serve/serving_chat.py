@@ -54,7 +54,8 @@ class OpenAIServingChat(OpenAIServing):
 
 def text_only(message: Any, number: int) -> Any:
     """A message whose content is a list of parts (OpenAI's newer form) with its text parts
-    joined; any other part is refused: this model reads text only."""
+    joined; any other part is refused: this model reads text only, and a text part without its
+    ``text`` (a string) too, as the schema says."""
     if not isinstance(message, dict) or not isinstance(message.get("content"), list):
         return message
     texts = []
@@ -62,5 +63,7 @@ def text_only(message: Any, number: int) -> Any:
         if not (isinstance(part, dict) and part.get("type") == "text"):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ValueError(f"message {number}: only text parts are supported, got {kind!r}")
-        texts.append(str(part.get("text", "")))
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"message {number}: a text part needs its 'text', a string")
+        texts.append(part["text"])
     return {**message, "content": "\n".join(texts)}

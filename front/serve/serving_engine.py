@@ -183,6 +183,8 @@ class OpenAIServing:
         max_tokens = request.max_tokens_asked()
         if max_tokens is None:
             max_tokens = self.default_max_tokens(prompt)
+        elif max_tokens == 0:  # echo alone (``Answer.echo_only``): the engine makes one token
+            max_tokens = 1  # that nobody sees, as vLLM's echo_without_generation does
         given = {name: getattr(request, name) for name in SAMPLING_FIELDS}
         given["logprobs"] = logprobs
         if logprobs is not None and request.echo:

@@ -6,10 +6,11 @@ ones refused, the key enforced where the schema says, ``Allow`` on a 405.
 
 A few rules no JSON Schema can state are taught to the fuzzer (``filter_body``), so that it
 does not count their refusals as the schema's lies: the prompt and the answer must fit the
-context together, token ids must be in the vocabulary, an integer is not written ``2.0``
-(JSON Schema's "integer" takes it; the server's strict fields do not), a conversation must
-not end with the assistant's turn, ``top_logprobs`` needs ``logprobs``, ``best_of`` equals ``n``,
-``min_tokens`` at most ``max_tokens``, and ``/tokenize`` takes a prompt or messages, not both.
+context together, token ids must be in the vocabulary, a conversation must not end with the
+assistant's turn, ``top_logprobs`` needs ``logprobs``, ``best_of`` equals ``n``, ``min_tokens``
+at most ``max_tokens``, ``max_tokens: 0`` needs ``echo``, and ``/tokenize`` takes a prompt or
+messages, not both. An integer written ``2.0`` is one, to JSON Schema and to the server alike
+(``protocol.integral``): nothing is filtered for it.
 """
 
 from __future__ import annotations
@@ -54,36 +55,28 @@ def app(chat_checkpoint: Path) -> Iterator[Any]:
 
 def fits(served: ServedModel, vocab: int, path: str, body: Any) -> bool:
     """Whether ``body`` passes the rules the schema cannot state."""
-    if not isinstance(body, dict) or has_integral_float(body):
-        return not isinstance(body, dict)
+    if not isinstance(body, dict):
+        return True
     prompt = body.get("prompt")
     nested = prompt if isinstance(prompt, list) else []
     lists = [body.get("stop_token_ids"), body.get("tokens"), prompt, *nested]
     ids = [t for ids in lists if isinstance(ids, list) for t in ids]
-    if any(type(t) is int and t >= vocab for t in ids):
+    if any(type(t) in (int, float) and t >= vocab for t in ids):
         return False
     if body.get("top_logprobs") and not body.get("logprobs"):
         return False
     if body.get("best_of") is not None and body["best_of"] != body.get("n", 1):
         return False
-    if (body.get("min_tokens") or 0) > (body.get("max_tokens") or CONTEXT):
+    min_tokens, max_tokens = body.get("min_tokens"), body.get("max_tokens")
+    top = max_tokens if type(max_tokens) in (int, float) else CONTEXT
+    if type(min_tokens) in (int, float) and min_tokens > top:
+        return False
+    if type(max_tokens) in (int, float) and max_tokens == 0 and body.get("echo") is not True:
         return False
     if path == "/tokenize":
         given = [body.get(field) is not None for field in ("prompt", "messages")]
         return given[0] != given[1] and fits_prompt(served, vocab, body)
     return fits_prompt(served, vocab, body)
-
-
-def has_integral_float(value: Any) -> bool:
-    """A JSON number like ``2.0``: an "integer" to JSON Schema, a float to the server, whose
-    fields are strict (``max_tokens: 2.0`` is refused, as ``true`` is)."""
-    if isinstance(value, float):
-        return value.is_integer()
-    if isinstance(value, dict):
-        return any(has_integral_float(v) for v in value.values())
-    if isinstance(value, list):
-        return any(has_integral_float(v) for v in value)
-    return False
 
 
 def fits_prompt(served: ServedModel, vocab: int, body: dict[str, Any]) -> bool:
