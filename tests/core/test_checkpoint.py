@@ -291,6 +291,16 @@ def test_eos_ids_from_generation_config_or_config(checkpoint: dict[str, object])
 # ---- text in, text out ---------------------------------------------------------------------------
 
 
+def after_prompt(tokenizer: object, prompt_ids: list[int], ids: list[int]) -> str:
+    """HF's text of ``ids`` as the continuation of the prompt (vLLM's detokenizing, primed with
+    the prompt): the prompt and answer decoded together, less the prompt's own text. A word-level
+    tokenizer joins words with spaces, so an answer starts with one."""
+    whole = tokenizer.decode(prompt_ids + ids, skip_special_tokens=True)
+    head = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    assert whole.startswith(head)
+    return whole[len(head) :]
+
+
 @pytest.mark.parametrize("layout", ["single", "sharded"])
 def test_text_through_every_step_equals_hf(
     step: ModuleType, checkpoint: dict[str, object], layout: str
@@ -303,8 +313,10 @@ def test_text_through_every_step_equals_hf(
     assert result.prompt_ids == checkpoint["prompt_ids"]
     assert result.output_ids == expected
     assert min(map(len, expected)) < NEW_TOKENS  # one answer stopped at the eos
-    decode = checkpoint["tokenizer"].decode
-    assert result.outputs == [decode(ids, skip_special_tokens=True) for ids in expected]
+    tokenizer, prompt_ids = checkpoint["tokenizer"], checkpoint["prompt_ids"]
+    assert result.outputs == [
+        after_prompt(tokenizer, prompt, ids) for prompt, ids in zip(prompt_ids, expected)
+    ]
     assert all(text.split() and set(text.split()) <= set(WORDS) for text in result.outputs)
     s = result.stats
     # Admitted together, the requests leapfrog through the system prompt: each of its full
@@ -639,14 +651,14 @@ def test_run_py_serves_text_from_a_checkpoint(
         argv += ["--prompt", prompt]
     assert run.main(argv) == 0
     out = capsys.readouterr().out
-    decode = checkpoint["tokenizer"].decode
-    for prompt, ids in zip(PROMPTS, checkpoint["expected"]):
+    tokenizer = checkpoint["tokenizer"]
+    answers = zip(PROMPTS, checkpoint["prompt_ids"], checkpoint["expected"])
+    for prompt, prompt_ids, ids in answers:
         assert f"] {prompt}\n" in out
         count = f"{len(ids)} token{'' if len(ids) == 1 else 's'}"
         reason = "length" if len(ids) == NEW_TOKENS else "stop"  # the eos is not shown
-        assert (
-            f"-> {decode(ids, skip_special_tokens=True)}  ({count}, finish_reason={reason})" in out
-        )
+        text = after_prompt(tokenizer, prompt_ids, ids)
+        assert f"-> {text}  ({count}, finish_reason={reason})" in out
     assert out.startswith(f"{step_name}: {checkpoint['single']}")
     cache = re.search(r"prefix cache: \d+/3 requests hit, (\d+)/(\d+) prompt tokens", out)
     assert cache is not None, out
