@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .layers import CausalLM
+from .sampler import SamplerOutput
 from .sampling_params import RequestOutput, TokenLogprobs
 from .scoring import prompt_logprobs
 from .status import SequenceStatus
@@ -30,9 +31,10 @@ class OutputProcessor:
         """``seq`` was aborted: the next round reports its end."""
         self.aborted.append(self.output(seq, [], []))
 
-    def sampled(self, seqs: list[Seq], logprobs: list[TokenLogprobs | None]) -> None:
-        """Each of ``seqs`` got a new token this round (``logprobs``: its logprobs, one each)."""
-        self._sampled += zip(seqs, logprobs, strict=True)
+    def sampled(self, seqs: list[Seq], out: SamplerOutput) -> None:
+        """Each of ``seqs`` got a new token this round: ``out``, the sampler's, has its
+        logprobs (None where the request did not ask), one per sequence."""
+        self._sampled += zip(seqs, out.logprobs, strict=True)
 
     def round_outputs(self, finished: list[Seq]) -> list[RequestOutput]:
         """The round's outputs: the aborts since the last round, then one per sequence that

@@ -10,8 +10,8 @@ the youngest running sequence is preempted (its blocks go back; it recomputes la
 token is greedy or drawn (``common/sampler.py``). Finished sequences give their blocks back.
 Every block that fills up, prompt or output, is cached at once, so the next sequence can adopt
 it. Every memory operation is the KV cache manager's (``kv_cache_manager.py``); this file is
-the round loop and the public API. What only serving needs (outputs and their logprobs, KV
-events, watchers) lives in ``common/``, reached by a named call or two.
+the round loop and the public API. What only serving needs (the outputs, KV events,
+watchers) lives in ``common/``, reached by a named call or two.
 """
 
 from __future__ import annotations
@@ -304,13 +304,13 @@ class PagedPrefixCacheEngine:
         return work.seq.status is SequenceStatus.RUNNING
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """The next token of each sequence from its row of logits, appended (and handed to the
-        outputs, with its logprobs if asked). A sequence's k-th draw depends on its own params,
-        tokens, seed and k alone: batching, preemption and the cache never change it."""
+        """The next token of each sequence from its row of logits, appended and handed to the
+        outputs. A sequence's k-th draw depends on its own params, tokens, seed and k alone:
+        batching, preemption and the cache never change it."""
         out = sample(logits, [SamplingState.of(seq) for seq in seqs])
         for seq, token in zip(seqs, out.token_ids):
             seq.append_token(token)
-        self.outputs.sampled(seqs, out.logprobs)
+        self.outputs.sampled(seqs, out)
 
     def _finish_round(self, scheduled: list[Sequence]) -> list[RequestOutput]:
         """Finished sequences give their blocks back; the round's outputs: one per sequence that
