@@ -7,7 +7,7 @@ import importlib
 import importlib.util
 from types import ModuleType
 
-STEPS = ["step14"] + [f"step14_{i}" for i in range(1, 10)]
+STEPS = ["step14"] + [f"step14_{i}" for i in range(1, 11)]
 
 # What each step changes against the one before: (files, one-line summary).
 FIXES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -33,6 +33,10 @@ FIXES: dict[str, tuple[tuple[str, ...], str]] = {
     "step14_9": (
         ("engine.py", "model.py"),
         "prefill in chunks of many blocks under a per-round token budget",
+    ),
+    "step14_10": (
+        ("kv_cache_manager.py", "engine.py"),
+        "a second tier for the prefix cache (swap): blocks written through, loaded back",
     ),
 }
 
