@@ -37,6 +37,8 @@ class BenchOptions:
     threads: int = 1  # torch's (and every peer's) CPU threads; 0: one per core
     no_memory_check: bool = False
     max_num_batched_tokens: int | None = None  # step14_9 on; None: the engine's default
+    kv_offloading_backend: str | None = None  # step14_10: its second tier; None: none
+    kv_offloading_size: float | None = None
     # what else runs, and how it is shown
     no_hf: bool = False
     no_ctranslate2: bool = False
@@ -54,6 +56,8 @@ class BenchOptions:
             threads=self.threads,
             no_memory_check=self.no_memory_check,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_offloading_backend=self.kv_offloading_backend,
+            kv_offloading_size=self.kv_offloading_size,
         )
 
     def running(self, requests: int) -> int:

@@ -61,6 +61,17 @@ class RoundObserver:
     def block_removed(self, block_hash: int) -> None:
         """The prefix cache evicted the block cached under ``block_hash``: ``BlockRemoved``."""
 
+    def loaded(self, seq: Seq, block_ids: list[int], evicted: list[int]) -> None:
+        """step14_10: blocks that continue ``seq``'s chain were found in the second tier and
+        loaded into ``block_ids`` of the pool (now cached, adopted next), after ``evicted``
+        cache-only blocks went back to the free pool to make room."""
+
+    def tier_stored(
+        self, medium: str, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...]
+    ) -> None:
+        """step14_10: a full block was written through to the second tier ``medium``
+        ("host", "disk", "redis"): vLLM's ``BlockStored`` with that medium."""
+
     def preempted(self, seq: Seq, for_seq: Seq) -> None:
         """``seq``, the youngest running request, goes back to the queue because ``for_seq``
         found no block (perhaps ``seq`` itself). Its ``freed`` follows."""
@@ -129,6 +140,16 @@ class Observers(RoundObserver):
     def block_removed(self, block_hash: int) -> None:
         for w in self._watchers:
             w.block_removed(block_hash)
+
+    def loaded(self, seq: Seq, block_ids: list[int], evicted: list[int]) -> None:
+        for w in self._watchers:
+            w.loaded(seq, block_ids, evicted)
+
+    def tier_stored(
+        self, medium: str, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...]
+    ) -> None:
+        for w in self._watchers:
+            w.tier_stored(medium, block_hash, parent_hash, token_ids)
 
     def preempted(self, seq: Seq, for_seq: Seq) -> None:
         for w in self._watchers:

@@ -34,6 +34,17 @@ class EngineStats:
     blocks_cached: int = 0  # held by the prefix cache (maybe also by requests)
     blocks_used: int = 0  # held by running requests
     blocks_peak: int = 0  # the most blocks out of the free pool at once: the KV memory held
+    # step14_10's second tier (since the engine was made; zero without one). vLLM counts a KV
+    # connector's lookups in tokens: queries asked of the tier, hits found there (and loaded,
+    # so also counted in cached_tokens). Blocks loaded and stored, their bytes, and failures:
+    # a tier that failed, an entry refused (corrupt, foreign), a store dropped.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_offload_loads: int = 0
+    kv_offload_stores: int = 0
+    kv_offload_bytes_loaded: int = 0
+    kv_offload_bytes_stored: int = 0
+    kv_offload_failures: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -59,6 +59,17 @@ non_negative_int = int_range(0)
 seed_int = int_range(0, 2**63 - 1)  # what torch.Generator.manual_seed takes
 
 
+def positive_float(text: str) -> float:
+    """A size: a finite number above 0 (``--kv-offloading-size 0.5`` is half a GiB)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text}")
+    return value
+
+
 def dtype_name(text: str) -> str:
     """A dtype the model can be built in, or ``auto``: a checkpoint's stored one."""
     if text not in DTYPES and text != "auto":
@@ -260,6 +271,18 @@ ENGINE_FLAGS: dict[str, tuple[Callable[[str], object], str, str]] = {
         "N",
         "step14_9 on: the tokens a round computes at most, one per decoding request first, "
         "then prefill chunks of whole blocks (vLLM's flag); default: the engine's, 512",
+    ),
+    "kv_offloading_backend": (
+        str,
+        "TIER",
+        "step14_10: the prefix cache's second tier, where every cached block is also written "
+        "and evicted prefixes are loaded back from: host (host memory; vLLM's native), "
+        "disk:DIR (survives a restart) or redis://HOST:PORT (shared by a fleet)",
+    ),
+    "kv_offloading_size": (
+        positive_float,
+        "GiB",
+        "step14_10: the second tier's size (host or disk; vLLM's flag); alone, a host tier",
     ),
 }
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from common.errors import UserError
 from common.inputs import check_token_budget
+from common.kv_tiers import check_tier_spec
 
 from .steps import not_taken_by
 
@@ -41,6 +42,10 @@ class EngineOptions:
     no_memory_check: bool = False
     # Taken by the engines of step14_9 on (``steps.STEP_OPTIONS``); None: the engine's default.
     max_num_batched_tokens: int | None = None
+    # Taken by step14_10 on: its second tier, as vLLM names the flags (a size alone: host
+    # memory). None: no second tier.
+    kv_offloading_backend: str | None = None
+    kv_offloading_size: float | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineOptions:
@@ -57,7 +62,7 @@ class EngineOptions:
     def refused_by(self, step_name: str) -> str | None:
         """Why ``step_name``'s engine would refuse the options given (None: it takes them):
         the one check, made before anything loads. A command says it in one line."""
-        return not_taken_by(step_name, self) or self.budget_refused()
+        return not_taken_by(step_name, self) or self.budget_refused() or self.tier_refused()
 
     def budget_refused(self) -> str | None:
         """A token budget too small for ``block_size`` and ``max_running`` (the core's rule)."""
@@ -67,6 +72,17 @@ class EngineOptions:
             check_token_budget(self.max_num_batched_tokens, self.block_size, self.max_running)
         except ValueError as exc:
             return f"--max-num-batched-tokens: {exc}"
+        return None
+
+    def tier_refused(self) -> str | None:
+        """A second tier that cannot be (an unknown backend, a size it does not take), said
+        before anything is opened."""
+        if self.kv_offloading_backend is None and self.kv_offloading_size is None:
+            return None
+        try:
+            check_tier_spec(self.kv_offloading_backend or "host", self.kv_offloading_size)
+        except ValueError as exc:
+            return f"--kv-offloading-backend: {exc}"
         return None
 
     def check_step(self, step_name: str) -> None:

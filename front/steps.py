@@ -51,7 +51,11 @@ def has_fix(step_name: str, fix_step: str) -> bool:
 # only the engines of later steps take, and the first step that does. Every command has their
 # flags; one given to an earlier step's command is refused by name (``not_taken_by``, where the
 # flags are read), and the bench passes it to the steps that take it (``step_engine_args``).
-STEP_OPTIONS = {"max_num_batched_tokens": "step14_9"}
+STEP_OPTIONS = {
+    "max_num_batched_tokens": "step14_9",
+    "kv_offloading_backend": "step14_10",
+    "kv_offloading_size": "step14_10",
+}
 
 
 def step_engine_args(step_name: str, options: object) -> dict[str, object]:

@@ -13,7 +13,10 @@ token is greedy or drawn (``common/sampler.py``). Finished sequences give their 
 Every block that fills up, prompt or output, is cached at once, so the next sequence can adopt
 it. Every memory operation is the KV cache manager's (``kv_cache_manager.py``); this file is
 the round loop and the public API. What only serving needs (the outputs, KV events,
-watchers) lives in ``common/``, reached by a named call or two.
+watchers) lives in ``common/``, reached by a named call or two. With a second tier
+(``kv_offloading_backend``), every cached block is also written through to it after the round's
+forward pass, and the cache's lookups go on in it: a prefix the pool evicted is loaded back
+instead of computed.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import torch
 
 from common.inputs import Request, check_request, check_requests, check_token_budget
 from common.kv_events import KVCacheEvent, KVEventLog
+from common.kv_offload import KVOffload
+from common.kv_tiers import KVTier, make_tier
 from common.observer import Observers
 from common.outputs import OutputProcessor
 from common.sampler import SamplingState, sample
@@ -67,6 +72,8 @@ class PagedPrefixCacheEngine:
         enable_kv_cache_events: bool = False,
         seed: int = 0,
         max_num_batched_tokens: int | None = None,
+        kv_offloading_backend: str | KVTier | None = None,
+        kv_offloading_size: float | None = None,
     ) -> None:
         self.model = model
         self.block_size = model.cfg.block_size
@@ -79,7 +86,11 @@ class PagedPrefixCacheEngine:
         # Whoever watches (``observer.add(watcher)``): the trace, the bench, the KV events.
         self.observer = Observers([self.kv_events] if enable_kv_cache_events else [])
         self.kv_cache_manager = KVCacheManager(
-            model.cfg.total_blocks, self.block_size, enable_prefix_cache, self.observer
+            model.cfg.total_blocks,
+            self.block_size,
+            enable_prefix_cache,
+            self.observer,
+            self._second_tier(kv_offloading_backend, kv_offloading_size, enable_prefix_cache),
         )
         self.scheduler = PagedScheduler(max_running)
         self.outputs = OutputProcessor(model)  # RequestOutputs, and finished ids until popped
@@ -118,6 +129,7 @@ class PagedPrefixCacheEngine:
         work = list(self._schedule())
         if work:
             last_logits = self._forward(work)
+            self.kv_cache_manager.write_through()  # the blocks cached this round, to the tier
             rows = [i for i, w in enumerate(work) if self._computed(w)]  # rows that give a token
             self._sample(last_logits[rows], [work[i].seq for i in rows])  # sampled together
         return self._finish_round([w.seq for w in work])
@@ -213,6 +225,17 @@ class PagedPrefixCacheEngine:
         self._next_id += 1
         self.scheduler.add(seq)
         return seq.seq_id
+
+    def _second_tier(
+        self, backend: str | KVTier | None, size_gib: float | None, enable_prefix_cache: bool
+    ) -> KVOffload | None:
+        """The second tier (vLLM's ``--kv-offloading-backend`` and ``--kv-offloading-size``):
+        a size alone means host memory; neither, none. A tier holds the prefix cache's blocks
+        by their chain hash: with the cache off there is none."""
+        if (backend is None and size_gib is None) or not enable_prefix_cache:
+            return None
+        tier = backend if isinstance(backend, KVTier) else make_tier(backend or "host", size_gib)
+        return KVOffload(tier, self.model, self.observer)
 
     def _run(self, request_ids: list[int]) -> list[list[int]]:
         while self.has_work:

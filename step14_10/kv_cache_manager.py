@@ -10,12 +10,19 @@ The engine owns it and calls it at four moments of a sequence's life, with vLLM'
 - ``free`` when the sequence finishes, is aborted or is preempted: one reference fewer on every
   block it held (full blocks stay in the cache, so a preempted sequence finds them again).
 
+This step adds a second tier behind the pool (``common/kv_offload.py``), the OS analogy's swap:
+every block the cache takes is also written to it (``write_through``, once the round's forward
+has filled it), and a lookup whose chain of pool hits ends goes on in the tier, loading what
+it finds into the pool (``_swap_in``): an evicted prefix comes back as a copy, not a
+recomputation.
+
 The scheduler never calls it: the chapter's rule is that scheduling does no memory operation.
 Each of these moves is also reported to the engine's observer (``common/observer.py``).
 """
 
 from __future__ import annotations
 
+from common.kv_offload import KVOffload
 from common.numbers import cdiv
 from common.observer import NO_OBSERVER, RoundObserver
 
@@ -31,6 +38,7 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_cache: bool,
         observer: RoundObserver = NO_OBSERVER,
+        offload: KVOffload | None = None,
     ) -> None:
         self.block_size = block_size
         self.block_manager = BlockManager(total_blocks)
@@ -38,6 +46,8 @@ class KVCacheManager:
         self.prefix_cache = (
             PrefixCache(self.block_manager, block_size, observer) if enable_prefix_cache else None
         )
+        self.offload = offload  # the second tier (None: the pool is all there is)
+        self._to_store: list[tuple[int, int | None, tuple[int, ...], int]] = []
 
     @property
     def num_available_blocks(self) -> int:
@@ -72,7 +82,48 @@ class KVCacheManager:
         seq.extend_block_hashes(last, self.block_size)  # hashes only blocks not hashed yet
         parent_id = seq.block_table[-1] if seq.block_table else None
         tokens = seq.token_ids[first * self.block_size : last * self.block_size]
-        return self.prefix_cache.match(seq.block_hashes[first:last], tokens, parent_id)
+        hits = self.prefix_cache.match(seq.block_hashes[first:last], tokens, parent_id)
+        if self.offload is not None and first + len(hits) < last:  # the pool's chain ended
+            hits += self._swap_in(seq, hits, first + len(hits), last)
+        return hits
+
+    def _swap_in(self, seq: Sequence, pool_hits: list[int], first: int, last: int) -> list[int]:
+        """The page fault served from swap: the sequence's blocks ``first ... last - 1`` that
+        the second tier holds, in order up to its first miss, each loaded into a fresh pool
+        block and cached there as if computed here. Returns their ids (adopted next, as the
+        ``pool_hits`` before them).
+
+        Only as many as the pool has room for without evicting those hits (they go to the back
+        of the eviction queue first); none after a block the cache does not hold (a chain kept
+        private cannot go on in the cache)."""
+        parent_id = pool_hits[-1] if pool_hits else (seq.block_table or [None])[-1]
+        if parent_id is not None and parent_id not in self.prefix_cache:
+            return []
+        held = sum(self.block_manager.ref_count(b) == 1 for b in pool_hits)
+        bs, parent_hash = self.block_size, seq.block_hashes[first - 1] if first else None
+        entries = self.offload.lookup(
+            seq.block_hashes[first:last],
+            seq.token_ids[first * bs : last * bs],
+            parent_hash,
+            limit=self.num_available_blocks - held,
+        )
+        if not entries:
+            return []
+        self.prefix_cache.update_eviction_queue(pool_hits[::-1])  # not evicted for the loads
+        block_ids, evicted = self._allocate(len(entries))
+        self.offload.load(entries, block_ids)
+        loaded = []
+        for entry, block_id in zip(entries, block_ids):
+            tokens = list(entry.token_ids)
+            if not self.prefix_cache.insert(entry.block_hash, block_id, tokens, parent_id):
+                break
+            loaded.append(block_id)
+            parent_id = block_id
+        for block_id in block_ids:  # the cache holds the loaded ones now; the rest go back
+            self.block_manager.release(block_id)
+        self.prefix_cache.update_eviction_queue((pool_hits + loaded)[::-1])
+        self.observer.loaded(seq, loaded, evicted)
+        return loaded
 
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """The KV of the sequence's first ``num_tokens`` tokens is in the pool (or about to be).
@@ -91,6 +142,18 @@ class KVCacheManager:
             parent_id,
         )
         self.observer.cached(seq, block_idx, taken)
+        if taken and self.offload is not None:  # written through once the forward fills it
+            parent_hash = seq.block_hashes[block_idx - 1] if block_idx else None
+            tokens = tuple(token_ids[num_tokens - self.block_size : num_tokens])
+            self._to_store.append((block_hash, parent_hash, tokens, seq.block_table[block_idx]))
+
+    def write_through(self) -> None:
+        """The round's forward pass has written its K/V: every block the cache took this round
+        goes to the second tier too (the copy out of the pool now, the write on the tier's
+        thread), so it outlives its eviction from the pool."""
+        if self.offload is not None:
+            self.offload.store(self._to_store)
+            self._to_store = []
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block: each goes back to the free pool (the caller makes sure no
@@ -168,7 +231,8 @@ class KVCacheManager:
     # ---- what the pool looks like -----------------------------------------------------------
 
     def pool_figures(self) -> dict[str, int]:
-        """Where the blocks are now (``EngineStats``' block fields)."""
+        """Where the blocks are now (``EngineStats``' block fields), and the second tier's
+        counters."""
         bm, cache = self.block_manager, self.prefix_cache
         return {
             "evictions": cache.num_evictions if cache is not None else 0,
@@ -176,6 +240,7 @@ class KVCacheManager:
             "blocks_cached": len(cache) if cache is not None else 0,
             "blocks_used": bm.total_blocks - self.num_available_blocks,
             "blocks_peak": bm.peak_used,
+            **(self.offload.figures() if self.offload is not None else {}),
         }
 
     def ref_count_problems(self) -> list[str]:

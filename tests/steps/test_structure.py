@@ -162,7 +162,11 @@ def test_no_module_imports_itself_in_a_circle() -> None:
 ENGINE_BUDGET = 330  # step14/engine.py: the chapter's round loop and public API
 # (before, after): most lines a step's diff adds and removes, README and bytecode aside (the
 # count of ``diff -ru -x README.md -x __pycache__ before after``).
-DIFF_BUDGETS = {("step14_6", "step14_7"): 210, ("step14_8", "step14_9"): 140}
+DIFF_BUDGETS = {
+    ("step14_6", "step14_7"): 210,
+    ("step14_8", "step14_9"): 140,
+    ("step14_9", "step14_10"): 120,
+}
 
 
 def changed_lines(before: str, after: str) -> list[str]:

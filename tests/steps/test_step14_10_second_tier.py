@@ -1,0 +1,326 @@
+"""step14_10's idea, beyond the chapter: a second tier behind the prefix cache (the OS's swap).
+
+Every full block the prefix cache takes is also written through to the tier, once, keyed by its
+chain hash; a lookup whose chain of pool hits ends goes on in the tier, and each block found
+there is loaded into a fresh pool block, cached, and adopted instead of computed. The
+specification: the tokens are the dense reference's (float64: the loaded bytes are the
+computed ones); what the pool evicted comes back as loads, not computation; each hash is
+stored once; a block loaded from the tier is never stored again; an entry that is corrupt,
+another model's or another block size's is never used; a tier that fails costs only
+computation; the loads never evict the pool hits they continue; the pool's books stay sane.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+
+import pytest
+import torch
+
+from common.kv_offload import KVOffload
+from common.kv_tiers import DiskTier, HostTier, KVTier
+from common.observer import RoundObserver
+from front.steps import load_step
+from tests.helpers import reference_tokens, tiny_config, tokens
+
+STEP = "step14_10"
+CFG = tiny_config()
+BS = CFG.block_size
+
+
+def make(cfg=CFG, tier: KVTier | None = None, max_running: int = 2, **engine_args: object):
+    """A step14_10 engine with a host tier (or ``tier``) of its own."""
+    step = load_step(STEP)
+    engine = step.PagedPrefixCacheEngine(
+        step.TinyTransformerPaged(cfg),
+        max_running=max_running,
+        kv_offloading_backend=tier if tier is not None else HostTier(1 << 30),
+        **engine_args,
+    )
+    return engine
+
+
+def offload(engine) -> KVOffload:
+    return engine.kv_cache_manager.offload
+
+
+def tenants(n: int, prefix_blocks: int, tail: int = 3) -> list[list[int]]:
+    """``n`` prompts of unrelated prefixes of ``prefix_blocks`` full blocks and a short tail."""
+    return [tokens(100 + i, prefix_blocks * BS) + tokens(200 + i, tail) for i in range(n)]
+
+
+class Loads(RoundObserver):
+    def __init__(self) -> None:
+        self.blocks: list[int] = []
+        self.stored: list[tuple[str, int]] = []
+
+    def loaded(self, seq, block_ids: list[int], evicted: list[int]) -> None:
+        self.blocks.extend(block_ids)
+
+    def tier_stored(self, medium, block_hash, parent_hash, token_ids) -> None:
+        self.stored.append((medium, block_hash))
+
+
+# ---- the idea: what the pool evicted comes back as a load --------------------------------------
+
+
+def test_an_evicted_prefix_is_loaded_back_not_computed() -> None:
+    """Four tenants' 4-block prefixes through a pool of 12 blocks, twice, one request at a
+    time: the pool holds at most two tenants' prefixes, so step14_9 computes most prefixes
+    again on the second pass; with the tier, the second pass computes only each prompt's tail,
+    and the tokens are the reference's."""
+    cfg = tiny_config(total_blocks=12)
+    prompts = tenants(4, 4)
+    expected = reference_tokens(cfg, prompts + prompts, 3)
+    step9 = load_step("step14_9")
+    without = step9.PagedPrefixCacheEngine(step9.TinyTransformerPaged(cfg), max_running=2)
+    assert without.generate_serial(prompts + prompts, 3) == expected
+    engine = make(cfg)
+    first = engine.generate_serial(prompts, 3)
+    computed_first = engine.stats.computed_prefill_tokens
+    second = engine.generate_serial(prompts, 3)
+    assert first + second == expected
+    stats = engine.stats
+    assert stats.evictions > 0, "the pool must be too small for the workload"
+    computed_second = stats.computed_prefill_tokens - computed_first
+    assert computed_second == sum(len(p) - 4 * BS for p in prompts)  # only each prompt's tail
+    assert without.stats.computed_prefill_tokens - computed_first > 4 * computed_second
+    assert stats.kv_offload_loads >= 2 * 4  # the pool kept two tenants' prefixes at most
+    assert stats.external_prefix_cache_hits == stats.kv_offload_loads * BS
+    assert engine.ref_count_problems() == []
+
+
+def test_each_block_is_stored_once_and_a_loaded_one_never_again() -> None:
+    """Write-through at most once per hash: every full block the cache takes goes to the tier
+    once; blocks that came from the tier are not written back."""
+    cfg = tiny_config(total_blocks=12)
+    prompts = tenants(4, 4)
+    engine = make(cfg)
+    watcher = Loads()
+    engine.observer.add(watcher)
+    engine.generate_serial(prompts, 3)
+    offload(engine).flush()
+    stores = engine.stats.kv_offload_stores
+    assert stores == len(watcher.stored) == len({h for _, h in watcher.stored})
+    assert {m for m, _ in watcher.stored} == {"host"}
+    engine.generate_serial(prompts, 3)
+    offload(engine).flush()
+    assert watcher.blocks, "the second pass must load"
+    assert engine.stats.kv_offload_stores == stores  # nothing new: loaded blocks stay stored
+    assert engine.stats.kv_offload_bytes_stored == stores * block_bytes(cfg)
+
+
+def block_bytes(cfg) -> int:
+    itemsize = torch.empty((), dtype=cfg.dtype).element_size()
+    return 2 * cfg.num_layers * BS * cfg.num_kv_heads * cfg.d_head * itemsize
+
+
+def test_batched_requests_get_the_reference_tokens_under_pressure() -> None:
+    """Many requests at once over a tight pool: loads, evictions and preemptions interleave;
+    the tokens are still the reference's and the pool's books are sane (no loaded block is
+    leaked, none evicted from under the chain it continues)."""
+    cfg = tiny_config(total_blocks=14)
+    prompts = [p + tokens(300 + i, 2) for i, p in enumerate(tenants(5, 3) * 2)]
+    engine = make(cfg, max_running=3)
+    engine.generate(prompts, 4)
+    again = engine.generate(prompts, 4)
+    assert again == reference_tokens(cfg, prompts, 4)
+    assert engine.stats.kv_offload_loads > 0
+    assert engine.ref_count_problems() == []
+
+
+def test_loads_never_evict_the_pool_hits_they_continue() -> None:
+    """A prompt whose first two blocks are still in the pool and whose next three are in the
+    tier only, looked up while another request holds half of an 8-block pool: of the four
+    blocks an allocation could get, two are those hits, so two blocks are loaded (evicting
+    others), never the hits; the last is loaded once the pool has room. Loading three at once
+    would evict a hit it continues, and the chain would be loaded again and again."""
+    cfg = tiny_config(total_blocks=8)
+    prompt, other = tokens(1, 5 * BS + 1), tokens(4, 3 * BS + 1)
+    engine = make(cfg)
+    for p in (prompt, tokens(2, 3 * BS + 1), tokens(3, 2 * BS + 1), prompt[: 2 * BS] + [7]):
+        engine.generate_serial([p], 1)  # the prompt's blocks 3-5 evicted, 1-2 used last
+    engine.add_request(other, 3)
+    engine.step()  # it holds 4 blocks now; the other 4 are evictable, two of them our hits
+    request = engine.add_request(prompt, 1)
+    engine.step()
+    assert engine.stats.kv_offload_loads == 2
+    while engine.has_work:
+        engine.step()
+    assert [engine.pop_output(request)] == reference_tokens(cfg, [prompt], 1)
+    assert engine.stats.kv_offload_loads == 3
+    assert engine.ref_count_problems() == []
+
+
+# ---- what the tier holds is proven before it is used -------------------------------------------
+
+
+class Corrupting(HostTier):
+    """A host tier whose stored entries have one byte flipped near the end (in the K/V)."""
+
+    def get(self, key: str) -> bytes | None:
+        raw = super().get(key)
+        return None if raw is None else raw[:-5] + bytes([raw[-5] ^ 0xFF]) + raw[-4:]
+
+
+def test_a_corrupt_entry_is_computed_instead(caplog: pytest.LogCaptureFixture) -> None:
+    """A flipped byte fails the entry's CRC: the block is computed, the tokens are right, the
+    failure is counted, and the log says so once however many entries are refused."""
+    cfg = tiny_config(total_blocks=12)
+    prompts = tenants(4, 4)
+    tier = Corrupting(1 << 30)
+    writer = make(cfg, tier)
+    writer.generate_serial(prompts, 3)
+    offload(writer).flush()
+    reader = make(cfg, tier)  # a new engine: nothing pending, every entry read from the tier
+    with caplog.at_level(logging.WARNING, logger="common.kv_offload"):
+        assert reader.generate_serial(prompts, 3) == reference_tokens(cfg, prompts, 3)
+    assert reader.stats.kv_offload_loads == 0
+    assert reader.stats.kv_offload_failures == 4  # one refused entry per prompt, then computed
+    assert len([r for r in caplog.records if "refused" in r.message]) == 1
+
+
+def test_another_models_entry_is_never_used() -> None:
+    """Two models (other weights; another block size) sharing one tier: each finds only its
+    own blocks, even under its own key (an entry names its model, which is checked)."""
+    cfg = tiny_config(total_blocks=12)
+    prompts = tenants(2, 4)
+    tier = HostTier(1 << 30)
+    ours = make(cfg, tier)
+    ours.generate_serial(prompts, 3)
+    offload(ours).flush()
+    for other_cfg in (cfg.replace(seed=cfg.seed + 1), cfg.replace(block_size=BS * 2)):
+        other = make(other_cfg, tier)
+        assert other.generate_serial(prompts, 3) == reference_tokens(other_cfg, prompts, 3)
+        assert other.stats.kv_offload_loads == 0
+    # A forged copy: our entries moved under the other model's keys are refused by their header.
+    other = make(cfg.replace(seed=cfg.seed + 1), tier)
+    for key in list(tier._entries):
+        block_hash = int(key.rsplit("-", 1)[1], 16)
+        tier.put(offload(other).key(block_hash), tier.get(key))
+    assert other.generate_serial(prompts, 3) == reference_tokens(other.model.cfg, prompts, 3)
+    assert other.stats.kv_offload_loads == 0
+    assert other.stats.kv_offload_failures == len(prompts)
+
+
+# ---- a restart, and a failing tier --------------------------------------------------------------
+
+
+def test_after_a_restart_the_disk_tier_serves_the_prefix(tmp_path) -> None:
+    """A disk tier outlives its engine: a new engine (a new process's, a new model object)
+    on the same folder computes only the last block of a prompt the old one served."""
+    cfg = tiny_config()
+    prompt = tenants(1, 5)[0]
+    first = make(cfg, DiskTier(tmp_path, 1 << 30))
+    expected = first.generate([prompt], 3)
+    offload(first).close()
+    again = make(cfg, DiskTier(tmp_path, 1 << 30))
+    assert again.generate([prompt], 3) == expected
+    assert again.stats.cached_tokens == 4 * BS  # every full block but the last, from the disk
+    assert again.stats.kv_offload_loads == 4
+
+
+class Failing(HostTier):
+    """A tier that has gone away: every call fails (counted), as a dead server's would."""
+
+    def get(self, key: str) -> bytes | None:
+        self.failures += 1
+        return None
+
+    def contains(self, key: str) -> bool:
+        self.failures += 1
+        return False
+
+    def put(self, key: str, value: bytes) -> bool:
+        self.failures += 1
+        return False
+
+
+def test_a_failing_tier_costs_only_computation() -> None:
+    cfg = tiny_config(total_blocks=12)
+    prompts = tenants(4, 4)
+    engine = make(cfg, Failing(1 << 30))
+    out = engine.generate_serial(prompts + prompts, 3)
+    assert out == reference_tokens(cfg, prompts + prompts, 3)
+    offload(engine).flush()
+    assert engine.stats.kv_offload_loads == 0 and engine.stats.kv_offload_stores == 0
+    assert engine.stats.kv_offload_failures > 0
+    assert engine.ref_count_problems() == []
+
+
+# ---- cost: a lookup visits the request's blocks, never the tier's ------------------------------
+
+
+class Counting(HostTier):
+    def __init__(self, capacity_bytes: int) -> None:
+        super().__init__(capacity_bytes)
+        self.gets = 0
+
+    def get(self, key: str) -> bytes | None:
+        self.gets += 1
+        return super().get(key)
+
+
+@pytest.mark.parametrize("filler", [0, 200])
+def test_a_lookup_asks_the_tier_for_its_own_blocks_only(filler: int) -> None:
+    """However many blocks the tier holds, a lookup asks it for the request's blocks past the
+    pool's chain, up to the first miss: one get each, the same count with 0 or 200 others."""
+    cfg = tiny_config(total_blocks=12)
+    tier = Counting(1 << 30)
+    for i in range(filler):
+        tier.put(f"other-{i}", bytes(64))
+    prompts = tenants(4, 4)
+    engine = make(cfg, tier)
+    engine.generate_serial(prompts, 3)
+    offload(engine).flush()
+    gets, loads = tier.gets, engine.stats.kv_offload_loads
+    engine.generate_serial(prompts, 3)
+    # every block asked for was found (the second pass ends each lookup at the prompt's tail)
+    assert tier.gets - gets == engine.stats.kv_offload_loads - loads == 4 * 4
+
+
+def test_the_tier_needs_the_prefix_cache_and_a_step_that_has_it(step: ModuleType) -> None:
+    """Only step14_10 takes the tier's options; with the prefix cache off there is no tier."""
+    model = step.TinyTransformerPaged(CFG)
+    if step.__name__ != STEP:
+        with pytest.raises(TypeError):
+            step.PagedPrefixCacheEngine(model, kv_offloading_backend="host")
+        return
+    engine = step.PagedPrefixCacheEngine(model, enable_prefix_cache=False, kv_offloading_size=1)
+    assert engine.kv_cache_manager.offload is None
+    with pytest.raises(ValueError, match="kv_offloading|backend"):
+        step.PagedPrefixCacheEngine(model, kv_offloading_backend="tape:/dev/st0")
+
+
+# ---- the random scenarios, with a tier ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(0, 320, 2))
+def test_random_scenarios_with_a_tier_get_the_reference_tokens(seed: int) -> None:
+    """The cross-step random scenarios (tight pools, preemptions, aborts, eos, hot rounds), run
+    by step14_10 with a host tier: three rounds, the second on the same engine (hits in the
+    pool and loads behind them, in tight pools), the third on a fresh one behind the same tier
+    (everything it finds, it loads): the tokens are the reference's, the books sane."""
+    from tests.engine.test_random_scenarios import (
+        eos_token_id,
+        expected_tokens,
+        matches,
+        run_round,
+        scenario,
+    )
+
+    case = scenario(seed)
+    tier = HostTier(1 << 30)
+    expected = [list(o) for o in expected_tokens(seed)]
+    engine = make(case.cfg, tier, case.max_running, enable_prefix_cache=case.enable_prefix_cache)
+    fresh = make(case.cfg, tier, case.max_running, enable_prefix_cache=case.enable_prefix_cache)
+    for engine in (
+        engine,
+        engine,
+        fresh,
+    ):  # cold, then hot in the pool and the tier, then the tier's
+        assert matches(run_round(engine, case, eos_token_id(seed)), expected, case)
+        assert engine.ref_count_problems() == []
+        if engine.kv_cache_manager.offload is not None:
+            offload(engine).flush()
