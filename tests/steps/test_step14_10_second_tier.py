@@ -139,7 +139,7 @@ def test_loads_never_evict_the_pool_hits_they_continue() -> None:
     cfg = tiny_config(total_blocks=8)
     prompt, other = tokens(1, 5 * BS + 1), tokens(4, 3 * BS + 1)
     engine = make(cfg)
-    for p in (prompt, tokens(2, 3 * BS + 1), tokens(3, 2 * BS + 1), prompt[: 2 * BS] + [7]):
+    for p in (prompt, tokens(2, 3 * BS + 1), tokens(3, 2 * BS + 1), [*prompt[: 2 * BS], 7]):
         engine.generate_serial([p], 1)  # the prompt's blocks 3-5 evicted, 1-2 used last
     engine.add_request(other, 3)
     engine.step()  # it holds 4 blocks now; the other 4 are evictable, two of them our hits
@@ -289,7 +289,7 @@ def test_the_tier_needs_the_prefix_cache_and_a_step_that_has_it(step: ModuleType
         return
     engine = step.PagedPrefixCacheEngine(model, enable_prefix_cache=False, kv_offloading_size=1)
     assert engine.kv_cache_manager.offload is None
-    with pytest.raises(ValueError, match="kv_offloading|backend"):
+    with pytest.raises(ValueError, match=r"kv_offloading|backend"):
         step.PagedPrefixCacheEngine(model, kv_offloading_backend="tape:/dev/st0")
 
 
@@ -313,13 +313,10 @@ def test_random_scenarios_with_a_tier_get_the_reference_tokens(seed: int) -> Non
     case = scenario(seed)
     tier = HostTier(1 << 30)
     expected = [list(o) for o in expected_tokens(seed)]
-    engine = make(case.cfg, tier, case.max_running, enable_prefix_cache=case.enable_prefix_cache)
-    fresh = make(case.cfg, tier, case.max_running, enable_prefix_cache=case.enable_prefix_cache)
-    for engine in (
-        engine,
-        engine,
-        fresh,
-    ):  # cold, then hot in the pool and the tier, then the tier's
+    args = (case.cfg, tier, case.max_running)
+    first = make(*args, enable_prefix_cache=case.enable_prefix_cache)
+    fresh = make(*args, enable_prefix_cache=case.enable_prefix_cache)
+    for engine in (first, first, fresh):  # cold; hot in the pool and the tier; the tier's only
         assert matches(run_round(engine, case, eos_token_id(seed)), expected, case)
         assert engine.ref_count_problems() == []
         if engine.kv_cache_manager.offload is not None:
