@@ -106,9 +106,9 @@ class KVTier:
             first, self._failing = not self._failing, True
         if first:
             log.warning(
-                "%s tier %s: %s failed (%s: %s); blocks are computed until it works again",
-                self.name, self.where, what, type(exc).__name__, exc,
-            )  # fmt: skip
+                f"{self.name} tier {self.where}: {what} failed ({type(exc).__name__}: {exc}); "
+                "blocks are computed until it works again"
+            )
 
     def _worked(self) -> None:
         """An operation succeeded: an outage, if there was one, is over, and the log says so.
@@ -117,7 +117,7 @@ class KVTier:
             with self._state_lock:
                 was, self._failing = self._failing, False
             if was:
-                log.warning("%s tier %s works again", self.name, self.where)
+                log.warning(f"{self.name} tier {self.where} works again")
 
 
 class HostTier(KVTier):
