@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +29,7 @@ from common.kv_tiers import (
     check_tier_spec,
     make_tier,
 )
+from tests.helpers import run_python
 from tests.redis_server import RedisServer
 
 KEY = "ppc1-0123abcd-{:016x}".format  # the shape of the engine's keys
@@ -208,6 +210,32 @@ def test_a_corrupt_file_is_returned_as_it_is(tmp_path: Path) -> None:
     (file,) = tmp_path.glob("*.kv")
     file.write_bytes(b"garbage")
     assert tier.get(KEY(1)) == b"garbage"
+
+
+CRASH_MID_WRITE = """
+import resource, signal, sys
+from common.kv_tiers import DiskTier
+tier = DiskTier(sys.argv[1], 10_000)
+signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it: here it kills, as a crash
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+tier.put(sys.argv[2], bytes(range(256)) * 20)  # killed at its 1001st byte
+"""
+
+
+def test_a_crash_mid_write_leaves_no_half_entry(tmp_path: Path) -> None:
+    """A process killed in the middle of writing an entry (a real kill: SIGXFSZ at the file
+    size limit) leaves the old entry or none under the key, never the half it wrote."""
+    pytest.importorskip("resource")
+    DiskTier(tmp_path, 10_000).put(KEY(0), b"old")
+    for key in (KEY(0), KEY(1)):
+        crashed = run_python("-c", CRASH_MID_WRITE, str(tmp_path), key)
+        assert crashed.returncode == -signal.SIGXFSZ, crashed.stderr
+        sizes = sorted(p.stat().st_size for p in tmp_path.iterdir())
+        assert sizes == [3, 1000]  # the old entry, and the half the crash wrote (somewhere)
+    after = DiskTier(tmp_path, 10_000)
+    assert (after.get(KEY(0)), after.get(KEY(1))) == (b"old", None)
+    assert [p.name for p in tmp_path.iterdir()] == [next(tmp_path.glob("*.kv")).name]
 
 
 def test_a_full_disk_is_a_miss_and_one_warning(tmp_path: Path, caplog) -> None:
