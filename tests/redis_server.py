@@ -3,7 +3,7 @@
 - ``redis_server`` (session): one server for the whole run, in a temporary folder, configured
   as a fleet's cache would be (no persistence, ``maxmemory 64mb``, ``allkeys-lru``);
   ``redis_server.kill()`` and ``redis_server.start()`` stop it hard and bring it back on the
-  same port: "a Redis server killed mid-run";
+  same port: "a Redis server killed mid-run"; ``redis_server.freeze()`` makes it hang;
 - ``redis_url``: its URL, for a test that starts with an empty database (FLUSHALL), and with
   the server running again if an earlier test left it killed.
 
@@ -13,6 +13,7 @@ Without ``redis-server`` on the PATH or the ``redis`` package, these tests skip 
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -69,6 +70,12 @@ class RedisServer:
                 time.sleep(0.05)
         finally:
             client.close()
+
+    def freeze(self, frozen: bool = True) -> None:
+        """Stop it answering (SIGSTOP), with its port still open, or let it go on (SIGCONT):
+        a server that hangs, which a client notices only by waiting."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP if frozen else signal.SIGCONT)
 
     def kill(self) -> None:
         """Stop it at once (SIGKILL), as a crash would."""

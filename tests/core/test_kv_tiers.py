@@ -315,6 +315,29 @@ def test_a_killed_redis_is_a_miss_until_it_is_back(
     tier.close()
 
 
+def test_a_hung_redis_costs_one_short_timeout(redis_server: RedisServer, redis_url: str) -> None:
+    """A server that accepts but never answers: one read timeout (no retries), then the
+    back-off answers at once."""
+    tier = RedisTier(redis_url, timeout_s=0.2, backoff_s=60)
+    tier.put(KEY(1), b"x")
+    redis_server.freeze()
+    thaw = threading.Timer(5, redis_server.freeze, args=(False,))  # a client with no timeout
+    thaw.start()  # fails the test instead of hanging it
+    try:
+        started = time.monotonic()
+        assert tier.get(KEY(1)) is None
+        waited = time.monotonic() - started
+        for _ in range(100):
+            assert tier.get(KEY(1)) is None
+        assert time.monotonic() - started < waited + 0.1
+    finally:
+        thaw.cancel()
+        redis_server.freeze(False)
+    assert 0.2 <= waited < 0.6  # a retry would wait another 0.2 s at least
+    assert tier.failures == 1
+    tier.close()
+
+
 def test_the_redis_url_in_the_log_has_no_password(redis_server: RedisServer) -> None:
     tier = RedisTier(f"redis://user:secret@127.0.0.1:{redis_server.port}/0")
     assert "secret" not in tier.where
