@@ -252,11 +252,12 @@ class DiskTier(KVTier):
                 return None
             try:
                 value = path.read_bytes()
-                self._stamp(path)
             except OSError as exc:
                 self._nbytes -= self._index.pop(key)  # what cannot be read is no entry
                 self._failed(f"reading {path.name}", exc)
                 return None
+            with contextlib.suppress(OSError):  # read-only: only the order after a restart
+                self._stamp(path)  # depends on it, not the block just read
             self._index.move_to_end(key)
         self._worked()
         return value
