@@ -4,7 +4,8 @@
 - ``guard_every_engine``: the same guard for engines a test does not build itself (the bench's);
 - ``no_work``: a command line that gets past its flag checks fails the test;
 - ``no_cuda``: torch behaves as a CPU-only build, GPU or not;
-- ``toy_checkpoint``: a tiny Llama checkpoint folder with a word-level tokenizer.
+- ``toy_checkpoint``: a tiny Llama checkpoint folder with a word-level tokenizer;
+- ``redis_server``, ``redis_url``: a real Redis server (``tests/redis_server.py``).
 
 Plain helper functions are in ``tests/helpers.py``; no test imports from this file.
 """
@@ -21,6 +22,7 @@ import torch
 from common.config import ModelConfig
 from front.steps import load_step
 from tests.helpers import STEP_NAMES, EngineFactory, guard_against_hangs, tiny_config
+from tests.redis_server import redis_server, redis_url  # noqa: F401
 
 # The test model is tiny: a second thread only adds synchronisation, and on a busy 2-core
 # machine it makes every small matmul wait (100x slower was seen).
