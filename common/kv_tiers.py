@@ -83,8 +83,9 @@ class KVTier:
         """The bytes stored under ``key``, or None (absent, or the tier failed)."""
         raise NotImplementedError
 
-    def put(self, key: str, value: bytes) -> None:
-        """Store ``value`` under ``key`` (replacing what was there). Never raises on failure."""
+    def put(self, key: str, value: bytes) -> bool:
+        """Store ``value`` under ``key`` (replacing what was there); returns whether it was
+        stored. Never raises on failure."""
         raise NotImplementedError
 
     def contains(self, key: str) -> bool:
@@ -144,14 +145,14 @@ class HostTier(KVTier):
                 self._entries.move_to_end(key)  # a use: now the most recent
             return value
 
-    def put(self, key: str, value: bytes) -> None:
+    def put(self, key: str, value: bytes) -> bool:
         if len(value) > self.capacity_bytes:
-            return  # it could never fit: not stored, and nothing evicted for it
+            return False  # it could never fit: not stored, and nothing evicted for it
         try:
             value = bytes(value)  # a copy: a caller's bytearray may change after the call
         except MemoryError as exc:
             self._failed("copying a block", exc)
-            return
+            return False
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
@@ -163,6 +164,7 @@ class HostTier(KVTier):
             self._entries[key] = value
             self._nbytes += len(value)
         self._worked()
+        return True
 
     def contains(self, key: str) -> bool:
         with self._lock:
@@ -262,10 +264,10 @@ class DiskTier(KVTier):
         self._worked()
         return value
 
-    def put(self, key: str, value: bytes) -> None:
+    def put(self, key: str, value: bytes) -> bool:
         path = self._file(key)
         if len(value) > self.capacity_bytes:
-            return  # it could never fit: not stored, and nothing evicted for it
+            return False  # it could never fit: not stored, and nothing evicted for it
         with self._lock:
             self._nbytes -= self._index.pop(key, 0)  # replaced below, or removed on failure
             tmp = None
@@ -283,10 +285,11 @@ class DiskTier(KVTier):
                         with contextlib.suppress(OSError):
                             Path(leftover).unlink(missing_ok=True)
                 self._failed(f"writing {path.name}", exc)
-                return
+                return False
             self._index[key] = len(value)
             self._nbytes += len(value)
         self._worked()
+        return True
 
     def contains(self, key: str) -> bool:
         _file_name(key)  # a bad key is refused here too
@@ -361,8 +364,8 @@ class RedisTier(KVTier):
     def get(self, key: str) -> bytes | None:
         return self._call("GET", "get", key)
 
-    def put(self, key: str, value: bytes) -> None:
-        self._call("SET", "set", key, bytes(value))
+    def put(self, key: str, value: bytes) -> bool:
+        return bool(self._call("SET", "set", key, bytes(value)))
 
     def contains(self, key: str) -> bool:
         return bool(self._call("EXISTS", "exists", key))

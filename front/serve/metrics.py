@@ -78,6 +78,27 @@ class Metrics:
             Counter, "vllm:prefix_cache_hits", "Prompt tokens the prefix cache served."
         )
         self.preemptions = make(Counter, "vllm:num_preemptions", "Requests preempted.")
+        # step14_10's second tier, as vLLM reports a KV connector's: its lookups in tokens, and
+        # the bytes it moved each way (vLLM's transfer_type is "GPU_to_CPU" / "CPU_to_GPU").
+        self.tier_queries = make(
+            Counter,
+            "vllm:external_prefix_cache_queries",
+            "Prompt tokens looked up in the second tier (past the pool's hits).",
+        )
+        self.tier_hits = make(
+            Counter, "vllm:external_prefix_cache_hits", "Prompt tokens the second tier served."
+        )
+        self.tier_bytes = Counter(
+            "vllm:kv_offload_total_bytes",
+            "KV bytes moved between the pool and the second tier.",
+            ["model_name", "transfer_type"],
+            registry=self.registry,
+        )
+        self.tier_failures = make(
+            Counter,
+            "vllm:kv_offload_failures",
+            "Second-tier operations that failed, entries refused, stores dropped (each a miss).",
+        )
         self.prompt_tokens = make(Counter, "vllm:prompt_tokens", "Prompt tokens of the requests.")
         self.generation_tokens = make(Counter, "vllm:generation_tokens", "Tokens generated.")
         self.finished = Counter(
@@ -102,7 +123,9 @@ class Metrics:
         new_prompt_tokens = stats.prompt_tokens - last.prompt_tokens
         self.prompt_tokens.inc(new_prompt_tokens)
         self.queries.inc(new_prompt_tokens)
-        self.hits.inc(stats.cached_tokens - last.cached_tokens)
+        tier_hits = stats.external_prefix_cache_hits - last.external_prefix_cache_hits
+        self.hits.inc(stats.cached_tokens - last.cached_tokens - tier_hits)  # the pool's own
+        self._record_tier(stats, last)
         self.preemptions.inc(stats.preemptions - last.preemptions)
         for stream, output in delivered:
             times = stream.times
@@ -116,6 +139,17 @@ class Metrics:
                 self.finished.labels(self.model_name, reason).inc()
                 if reason != "abort":
                     self.e2e.observe(now - times.arrival)
+
+    def _record_tier(self, stats: EngineStats, last: EngineStats) -> None:
+        self.tier_queries.inc(
+            stats.external_prefix_cache_queries - last.external_prefix_cache_queries
+        )
+        self.tier_hits.inc(stats.external_prefix_cache_hits - last.external_prefix_cache_hits)
+        stored = stats.kv_offload_bytes_stored - last.kv_offload_bytes_stored
+        loaded = stats.kv_offload_bytes_loaded - last.kv_offload_bytes_loaded
+        self.tier_bytes.labels(self.model_name, "pool_to_tier").inc(stored)
+        self.tier_bytes.labels(self.model_name, "tier_to_pool").inc(loaded)
+        self.tier_failures.inc(stats.kv_offload_failures - last.kv_offload_failures)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

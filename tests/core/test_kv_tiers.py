@@ -74,7 +74,7 @@ def test_values_come_back_byte_exact(make) -> None:
     values = {KEY(n): blob(n, seed=n) for n in (0, 1, 255, 4096, 100_000)}
     values[KEY(7)] = bytes(300)  # all zeros
     for key, value in values.items():
-        tier.put(key, value)
+        assert tier.put(key, value) is True  # stored: the writer counts it
     for key, value in values.items():
         assert tier.get(key) == value
     tier.put(KEY(1), b"\x00replaced")  # a put replaces
@@ -123,7 +123,7 @@ def test_the_least_recently_used_entry_is_evicted(bounded) -> None:
 def test_a_value_larger_than_the_capacity_is_not_stored(bounded) -> None:
     tier = bounded(100)
     tier.put("small", blob(60))
-    tier.put("big", blob(101))
+    assert tier.put("big", blob(101)) is False
     assert tier.get("big") is None
     assert tier.get("small") == blob(60)  # nothing was evicted for it
     assert (tier.nbytes, tier.evictions, tier.failures) == (60, 0, 0)
@@ -248,7 +248,7 @@ def test_a_full_disk_is_a_miss_and_one_warning(tmp_path: Path, caplog) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (1000, hard))
     try:
-        tier.put(KEY(1), blob(5000))
+        assert tier.put(KEY(1), blob(5000)) is False
         tier.put(KEY(2), blob(5000))
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))

@@ -13,13 +13,14 @@ computation; the loads never evict the pool hits they continue; the pool's books
 from __future__ import annotations
 
 import logging
+import time
 from types import ModuleType
 
 import pytest
 import torch
 
 from common.kv_offload import KVOffload
-from common.kv_tiers import DiskTier, HostTier, KVTier
+from common.kv_tiers import DiskTier, HostTier, KVTier, RedisTier
 from common.observer import RoundObserver
 from front.steps import load_step
 from tests.helpers import reference_tokens, tiny_config, tokens
@@ -209,7 +210,7 @@ def test_another_models_entry_is_never_used() -> None:
 
 def test_after_a_restart_the_disk_tier_serves_the_prefix(tmp_path) -> None:
     """A disk tier outlives its engine: a new engine (a new process's, a new model object)
-    on the same folder computes only the last block of a prompt the old one served."""
+    on the same folder computes only the tail of a prompt the old one served."""
     cfg = tiny_config()
     prompt = tenants(1, 5)[0]
     first = make(cfg, DiskTier(tmp_path, 1 << 30))
@@ -217,8 +218,8 @@ def test_after_a_restart_the_disk_tier_serves_the_prefix(tmp_path) -> None:
     offload(first).close()
     again = make(cfg, DiskTier(tmp_path, 1 << 30))
     assert again.generate([prompt], 3) == expected
-    assert again.stats.cached_tokens == 4 * BS  # every full block but the last, from the disk
-    assert again.stats.kv_offload_loads == 4
+    assert again.stats.cached_tokens == 5 * BS  # every full block, from the disk
+    assert again.stats.kv_offload_loads == 5
 
 
 class Failing(HostTier):
@@ -247,6 +248,52 @@ def test_a_failing_tier_costs_only_computation() -> None:
     assert engine.stats.kv_offload_loads == 0 and engine.stats.kv_offload_stores == 0
     assert engine.stats.kv_offload_failures > 0
     assert engine.ref_count_problems() == []
+
+
+# ---- Redis: a tier shared by a fleet ------------------------------------------------------------
+
+
+def test_replicas_sharing_redis_load_what_another_computed(redis_url: str) -> None:
+    """Two engines (two replicas) behind one Redis: what one computed, the other loads; each
+    replica computes only the tails of prompts the other served first."""
+    cfg = tiny_config()
+    prompts = tenants(3, 4)
+    one, two = make(cfg, RedisTier(redis_url)), make(cfg, RedisTier(redis_url))
+    assert one.generate(prompts, 3) == reference_tokens(cfg, prompts, 3)
+    offload(one).flush()  # (a fleet's replicas see a block once its write reaches the server)
+    assert two.generate(prompts, 3) == reference_tokens(cfg, prompts, 3)
+    assert two.stats.kv_offload_loads == 3 * 4
+    assert two.stats.computed_prefill_tokens == 3 * 3  # each prompt's tail alone
+    offload(one).close(), offload(two).close()
+
+
+def test_a_redis_killed_mid_run_costs_only_computation(
+    redis_server, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis dies between two rounds of requests: every request is still answered with the
+    reference's tokens, the engine computes what it would have loaded, and the log says so
+    once; when the server is back, the tier is used again."""
+    cfg = tiny_config(total_blocks=12)
+    prompts = tenants(4, 4)
+    engine = make(cfg, RedisTier(redis_url, backoff_s=0.2))
+    expected = reference_tokens(cfg, prompts, 3)
+    assert engine.generate_serial(prompts, 3) == expected
+    offload(engine).flush()
+    redis_server.kill()
+    with caplog.at_level(logging.WARNING, logger="common.kv_tiers"):
+        assert engine.generate_serial(prompts, 3) == expected
+        offload(engine).flush()
+    outage = [r for r in caplog.records if r.name == "common.kv_tiers"]
+    assert len(outage) == 1 and "redis" in outage[0].message
+    assert engine.stats.kv_offload_failures > 0
+    assert engine.ref_count_problems() == []
+    redis_server.start()
+    time.sleep(0.3)  # past the back-off
+    loads = engine.stats.kv_offload_loads
+    assert engine.generate_serial(prompts, 3) == expected  # stores again...
+    offload(engine).flush()
+    assert engine.generate_serial(prompts, 3) == expected  # ...and loads them
+    assert engine.stats.kv_offload_loads > loads
 
 
 # ---- cost: a lookup visits the request's blocks, never the tier's ------------------------------
