@@ -81,7 +81,7 @@ class EngineOptions:
             return None
         try:
             check_tier_spec(self.kv_offloading_backend or "host", self.kv_offloading_size)
-        except ValueError as exc:
+        except (ValueError, ImportError) as exc:  # ImportError: redis:// without its package
             return f"--kv-offloading-backend: {exc}"
         return None
 

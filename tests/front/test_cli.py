@@ -392,6 +392,27 @@ def test_a_flag_of_a_later_steps_engine_is_refused_by_name(capsys) -> None:
     assert "argument --max-num-batched-tokens: must be >= 1, got 0" in line
 
 
+@pytest.mark.usefixtures("no_work")
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--kv-offloading-backend", "tape:x"], "unknown KV offloading backend 'tape:x'"),
+        (["--kv-offloading-backend", "disk:"], "'disk:' needs a folder"),
+        (["--kv-offloading-backend", "redis://h:1", "--kv-offloading-size", "2"], "takes no size"),
+        (["--kv-offloading-size", "0"], "--kv-offloading-size: must be a number above 0"),
+        (["--kv-offloading-size", "nan"], "--kv-offloading-size: must be a number above 0"),
+    ],
+)
+def test_a_second_tier_the_step_cannot_use_is_one_line(argv: list[str], says: str, capsys) -> None:
+    """step14_10's tier flags, refused before anything loads: by step14_9 (no tier), and by
+    step14_10 when the tier cannot be (checked without opening it)."""
+    earlier = importlib.import_module("step14_9.run")
+    line = usage_error(earlier.main, ["--kv-offloading-size", "1"], capsys)
+    assert "--kv-offloading-size needs step14_10 or later" in line, line
+    line = usage_error(importlib.import_module("step14_10.run").main, argv, capsys)
+    assert says in line, line
+
+
 def test_the_budget_is_checked_once_and_reaches_the_engine_a_command_builds(
     llama32_style: Path,
 ) -> None:
