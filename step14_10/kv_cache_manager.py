@@ -94,11 +94,9 @@ class KVCacheManager:
         ``pool_hits`` before them).
 
         Only as many as the pool has room for without evicting those hits (they go to the back
-        of the eviction queue first); none after a block the cache does not hold (a chain kept
-        private cannot go on in the cache)."""
+        of the eviction queue first). A block the cache refuses (its parent is not cached) ends
+        the loads: it goes back to the free pool, and the sequence computes it."""
         parent_id = pool_hits[-1] if pool_hits else (seq.block_table or [None])[-1]
-        if parent_id is not None and parent_id not in self.prefix_cache:
-            return []
         held = sum(self.block_manager.ref_count(b) == 1 for b in pool_hits)
         bs, parent_hash = self.block_size, seq.block_hashes[first - 1] if first else None
         entries = self.offload.lookup(

@@ -60,6 +60,7 @@ class Mutant:
 
 
 M = Mutant
+T10 = "tests/steps/test_step14_10_second_tier.py"  # step14_10's tests take no step parameter
 # fmt: off
 MUTANTS = [
     # ---- step14/scheduler.py --------------------------------------------------------------------
@@ -597,6 +598,43 @@ MUTANTS = [
     M("s14_9-budget-least", "step14_9", "common/inputs.py",
       "least = block_size + max_running - 1", "least = block_size",
       "a budget with no room for a block beside the decode tokens is taken"),
+    # ---- step14_10, beyond the chapter: a second tier behind the prefix cache ----------------------
+    M("s14_10-loads-elsewhere", "step14_10", "kv_cache_manager.py",
+      "self.offload.load(entries, block_ids)", "self.offload.load(entries, block_ids[::-1])",
+      "the tier's blocks are copied into each other's pool blocks", tests=(T10,)),
+    M("s14_10-hits-evicted", "step14_10", "kv_cache_manager.py",
+      "        self.prefix_cache.update_eviction_queue(pool_hits[::-1])  # not evicted for the loads\n", "",
+      "the pool hits a load continues may be evicted to make room for it", tests=(T10,)),
+    M("s14_10-room-counts-hits", "step14_10", "kv_cache_manager.py",
+      "limit=self.num_available_blocks - held,", "limit=self.num_available_blocks,",
+      "the loads take the room of the pool hits they continue (and evict them)", tests=(T10,)),
+    M("s14_10-no-write-through", "step14_10", "engine.py",
+      "            self.kv_cache_manager.write_through()  # the blocks cached this round, to the tier\n", "",
+      "nothing reaches the tier", tests=(T10,)),
+    M("s14_10-written-before-forward", "step14_10", "engine.py",
+      "            last_logits = self._forward(work)\n            self.kv_cache_manager.write_through()",
+      "            self.kv_cache_manager.write_through()\n            last_logits = self._forward(work)",
+      "blocks written through before the forward fills them (the tier holds zeros)", tests=(T10,)),
+    M("s14_10-untaken-stored", "step14_10", "kv_cache_manager.py",
+      "if taken and self.offload is not None:", "if self.offload is not None:",
+      "blocks the cache refused are written through too (a hash stored twice)", tests=(T10,)),
+    M("c-offload-tokens-unchecked", "step14_10", "common/kv_offload.py",
+      "(entry.parent_hash, entry.token_ids) != (parent_hash, tokens)", "entry.parent_hash != parent_hash",
+      "a tier entry is trusted without comparing its tokens", tests=(T10,)),
+    M("c-offload-no-crc", "step14_10", "common/kv_offload.py",
+      "        if zlib.crc32(payload) != header[\"crc32\"]:\n", "        if False:\n",
+      "a corrupt entry's bytes are loaded", tests=(T10,)),
+    M("c-offload-model-unchecked", "step14_10", "common/kv_offload.py",
+      "            \"model\": self.fingerprint,\n            \"block_hash\": block_hash,",
+      "            \"block_hash\": block_hash,",
+      "another model's entry is loaded", tests=(T10,)),
+    M("c-offload-pending-unread", "step14_10", "common/kv_offload.py",
+      "            entry = self._pending.get(key)", "            entry = None",
+      "a block on its way to the tier cannot be found", tests=(T10,)),
+    M("c-offload-stores-uncounted", "step14_10", "common/kv_offload.py",
+      "if not self.tier.contains(key) and self.tier.put(key, self._encode(entry)):",
+      "if not self.tier.contains(key):\n                    self.tier.put(key, self._encode(entry))",
+      "a store the tier refused is counted as stored", tests=(T10,)),
     # ---- sampling: the filters, the draw, the seeds, the outputs of a round --------------------
     M("c-sampling-k-ignored", "step14", "common/sampler.py",
       'f"{seed}:{k}".encode()', 'f"{seed}".encode()',

@@ -12,16 +12,21 @@ computation; the loads never evict the pool hits they continue; the pool's books
 
 from __future__ import annotations
 
+import json
 import logging
+import struct
+import threading
 import time
 from types import ModuleType
 
 import pytest
 import torch
 
+from common.hashing import hash_prefix_blocks
 from common.kv_offload import KVOffload
 from common.kv_tiers import DiskTier, HostTier, KVTier, RedisTier
 from common.observer import RoundObserver
+from common.sampling_params import SamplingParams
 from front.steps import load_step
 from tests.helpers import reference_tokens, tiny_config, tokens
 
@@ -203,6 +208,82 @@ def test_another_models_entry_is_never_used() -> None:
     assert other.generate_serial(prompts, 3) == reference_tokens(other.model.cfg, prompts, 3)
     assert other.stats.kv_offload_loads == 0
     assert other.stats.kv_offload_failures == len(prompts)
+
+
+def test_a_colliding_entry_is_never_used() -> None:
+    """An entry under our block's key whose tokens are another block's (a hash collision, or a
+    forged entry: its K/V is that other block's) is refused as the pool refuses such a hit: by
+    comparing the tokens, not trusting the hash."""
+    cfg = tiny_config()
+    a, b = tenants(2, 2)
+    tier = HostTier(1 << 30)
+    writer = make(cfg, tier)
+    writer.generate_serial([a, b], 3)
+    offload(writer).flush()
+    ours, theirs = (hash_prefix_blocks(p, BS)[0] for p in (a, b))
+    forged = json_header(tier.get(offload(writer).key(theirs)), block_hash=ours)
+    tier.put(offload(writer).key(ours), forged)
+    reader = make(cfg, tier)
+    assert reader.generate([a], 3) == reference_tokens(cfg, [a], 3)
+    assert reader.stats.kv_offload_loads == 0
+
+
+def json_header(raw: bytes, **changes: object) -> bytes:
+    """``raw``, an entry, with fields of its JSON header changed (its K/V and CRC untouched)."""
+    (size,) = struct.unpack_from("<I", raw)
+    header = json.loads(raw[4 : 4 + size]) | changes
+    head = json.dumps(header).encode()
+    return struct.pack("<I", len(head)) + head + raw[4 + size :]
+
+
+def test_a_block_refused_by_the_cache_is_not_written_through() -> None:
+    """A request that skips reading the cache computes its own copy of a cached prefix: the
+    cache refuses those blocks (the first block under a hash wins), and so does the tier."""
+    cfg = tiny_config()
+    prompt = tenants(1, 3)[0]
+    engine = make(cfg)
+    watcher = Loads()
+    engine.observer.add(watcher)
+    engine.generate([prompt], 2)
+    offload(engine).flush()
+    stored = list(watcher.stored)
+    assert len(stored) == 4  # three prompt blocks, and the one its answer filled
+    params = SamplingParams(max_tokens=2, skip_reading_prefix_cache=True)
+    engine.generate([prompt], sampling_params=params)
+    offload(engine).flush()
+    assert watcher.stored == stored and engine.stats.kv_offload_stores == 4
+
+
+class Gated(HostTier):
+    """A host tier whose writes wait at a gate: blocks stay on their way until it opens."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        super().__init__(capacity_bytes)
+        self.gate = threading.Event()
+
+    def put(self, key: str, value: bytes) -> bool:
+        self.gate.wait(timeout=30)
+        return super().put(key, value)
+
+
+def test_a_block_on_its_way_to_the_tier_is_found() -> None:
+    """With every write held back, the tier itself holds nothing; the second pass still loads
+    every evicted block, from the writer's queue: what one request stored the next one finds,
+    whatever the writer's pace."""
+    cfg = tiny_config(total_blocks=12)
+    prompts = tenants(4, 4)
+    tier = Gated(1 << 30)
+    engine = make(cfg, tier)
+    try:
+        engine.generate_serial(prompts, 3)
+        computed = engine.stats.computed_prefill_tokens
+        assert engine.generate_serial(prompts, 3) == reference_tokens(cfg, prompts, 3)
+        assert tier.nbytes == 0, "nothing may have reached the tier yet"
+        assert engine.stats.computed_prefill_tokens - computed == 4 * 3
+    finally:
+        tier.gate.set()
+    offload(engine).flush()
+    assert tier.nbytes > 0
 
 
 # ---- a restart, and a failing tier --------------------------------------------------------------
