@@ -9,12 +9,13 @@ and evict, resets the prefix cache, and checks, with vLLM's own classes and publ
   ``vllm.distributed.kv_events``, as a KV-aware router decodes it, with the ``medium`` of every
   block event, and this project's decoder (``front/serve/kv_events.py``, run by
   ``--project-python``) giving the same;
-- the replay: the server's replay socket asked for every batch from 0, and vLLM's own
-  ``ZmqEventPublisher`` given the same batches and asked the same: the answers, frame for frame
-  and byte for byte, the end marker included;
+- the replay: the server's replay socket asked for every batch from the first one received,
+  and vLLM's own ``ZmqEventPublisher`` given the same batches and asked for all of them: the
+  answers, frame for frame and byte for byte, the end marker included (vLLM's publisher numbers
+  them from 0: on a server that published before, its numbers are shifted to the server's);
 - ``GET /kv_event_sources``: each source must build vLLM's ``KVEventsConfig`` (which refuses an
-  unknown key or a wrong type) and be what vLLM's route answers for it (FastAPI's
-  ``jsonable_encoder`` of ``{rank: config}``).
+  unknown key or a wrong type), and the answer be, byte for byte, what vLLM's own route
+  (``vllm/entrypoints/serve/instrumentator/basic.py``) answers over HTTP for those configs.
 
     VLLM_PYTHON tools/vllm_events.py --url http://127.0.0.1:8765 --events tcp://127.0.0.1:5591 \
         --replay tcp://127.0.0.1:5592 --project-python .venv/bin/python
@@ -32,7 +33,8 @@ from pathlib import Path
 import httpx
 import msgspec
 import zmq
-from fastapi.encoders import jsonable_encoder
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 from vllm.config.kv_events import KVEventsConfig
 from vllm.distributed.kv_events import AllBlocksCleared, KVEventBatch, ZmqEventPublisher
 
@@ -85,26 +87,46 @@ def replay_answers(endpoint: str, first: int) -> list[list[bytes]]:
         dealer.close(linger=0)
 
 
-def vllms_replay(payloads: list[bytes], topic: str) -> list[list[bytes]]:
-    """What vLLM's own publisher answers for every batch from 0, once it has published the
-    batches these payloads hold (decoded with vLLM's classes: the same ``ts`` and rank)."""
+def vllms_replay(payloads: list[bytes], topic: str, first: int) -> list[list[bytes]]:
+    """What vLLM's own publisher answers for all of them, once it has published the batches
+    these payloads hold (decoded with vLLM's classes: the same ``ts`` and rank), its sequence
+    numbers counted from ``first``."""
     where = f"inproc://vllm-events-{time.monotonic_ns()}"
     publisher = ZmqEventPublisher(0, where, where + "-replay", len(payloads), topic=topic)
     try:
         for payload in payloads:
             publisher.publish(msgspec.msgpack.decode(payload, type=KVEventBatch))
         publisher._event_queue.join()  # every batch sent and buffered
-        return replay_answers(where + "-replay", 0)
+        answers = replay_answers(where + "-replay", 0)
     finally:
         publisher.shutdown()
+    for answer in answers[:-1]:  # not the end marker
+        answer[2] = (int.from_bytes(answer[2], "big") + first).to_bytes(8, "big")
+    return answers
+
+
+class EngineClient:
+    """What vLLM's route asks of its engine client: the publishers' configs by rank."""
+
+    def __init__(self, configs: dict[int, KVEventsConfig]) -> None:
+        self.configs = configs
+
+    def get_kv_event_sources(self) -> dict[int, KVEventsConfig]:
+        return self.configs
 
 
 def check_sources(url: str) -> None:
-    sources = httpx.get(f"{url}/kv_event_sources", timeout=60).json()
-    configs = {int(rank): KVEventsConfig(**source) for rank, source in sources.items()}
-    print(f"GET /kv_event_sources: {sources}")
-    same = jsonable_encoder(configs) == sources
-    print(f"  vLLM's KVEventsConfig built from each; vLLM's route answers the same: {same}")
+    from vllm.entrypoints.serve.instrumentator.basic import router
+
+    answer = httpx.get(f"{url}/kv_event_sources", timeout=60)
+    configs = {int(rank): KVEventsConfig(**source) for rank, source in answer.json().items()}
+    app = FastAPI()
+    app.include_router(router)
+    app.state.engine_client = EngineClient(configs)
+    vllms = TestClient(app).get("/kv_event_sources")
+    print(f"GET /kv_event_sources: {answer.text}")
+    print(f"  vLLM's KVEventsConfig built from each source; vLLM's route answers them with the "
+          f"same bytes: {vllms.content == answer.content}")  # fmt: skip
 
 
 def main() -> None:
@@ -143,11 +165,13 @@ def main() -> None:
     same = pickle.loads(ours.stdout) == [msgspec.to_builtins(batch) for batch in decoded]
     print(f"this project's decoder gives what vLLM's classes give, batch for batch: {same}")
 
-    served = replay_answers(args.replay, 0)
-    as_live = [(topic, int.from_bytes(seq, "big"), data) for _, topic, seq, data in served[:-1]]
-    print(f"the server's replay from 0: {len(served) - 1} batches, as the live stream sent them: "
-          f"{as_live == live}; then the end marker {served[-1]}")  # fmt: skip
-    same = served == vllms_replay(payloads, args.topic)
+    served = replay_answers(args.replay, first)
+    # each answer as the live message it resends, (topic, seq, payload); None: not that shape
+    as_live = [(a[1], int.from_bytes(a[2], "big"), a[3]) if len(a) == 4 else None for a in served]
+    as_live = as_live[:-1]  # the end marker
+    print(f"the server's replay from {first}: {len(served) - 1} batches, as the live stream sent "
+          f"them: {as_live == live}; then the end marker {served[-1]}")  # fmt: skip
+    same = served == vllms_replay(payloads, args.topic, first)
     print(f"vLLM's ZmqEventPublisher, given the same batches, answers the same frames: {same}")
     check_sources(args.url)
 
