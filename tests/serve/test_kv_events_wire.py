@@ -5,7 +5,8 @@ publishes them.
   class with vLLM's fields, decoded back by msgspec into the engine's own events (vLLM cannot
   be installed beside this project's torch, so its classes are mirrored field for field and the
   layout is pinned on the raw msgpack; ``tools/vllm_events.py``, run by a Python with vLLM's CPU
-  build, decodes a live server's events with vLLM's own classes: docs/scale-out.md);
+  build, decodes a live server's events with vLLM's own classes and compares its replay with
+  vLLM's own publisher's, frame for frame: docs/scale-out.md);
 - the stream: the engine core's loop (``EngineCore``) publishes after every round and every
   pause (aborts, ``reset_prefix_cache``); a subscriber that decodes and replays it holds the
   prefix cache's content after every batch, through evictions, preemptions, an abort and a reset;
