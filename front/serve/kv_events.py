@@ -20,8 +20,9 @@ on, each as the live stream has it, ``(topic, seq, payload)``, then the end mark
 ``(b"", END_SEQ, b"")``, ``END_SEQ`` being -1 in 8 signed big-endian bytes (vLLM 0.33's
 ``_service_replay``): a subscriber that joined late or lost messages asks for what it missed,
 and replays it before the live stream. The ROUTER socket sends each answer to the asker's
-identity, after an empty delimiter: a REQ socket reads three frames, as from the PUB socket; a
-DEALER reads four, the delimiter first. vllm-router's replay reader (a DEALER) wants that
+identity, after an empty delimiter: a REQ socket reads three frames, as from the PUB socket
+(and one answer only); a DEALER reads four, the delimiter first, answer after answer.
+vllm-router's replay reader (a DEALER) wants that
 layout: it stops at an answer of fewer than four frames and takes the sequence number from the
 second frame from the end, so answers without the topic fill no gap.
 
