@@ -22,9 +22,9 @@ on, each as the live stream has it, ``(topic, seq, payload)``, then the end mark
 and replays it before the live stream. The ROUTER socket sends each answer to the asker's
 identity, after an empty delimiter: a REQ socket reads three frames, as from the PUB socket
 (and one answer only); a DEALER reads four, the delimiter first, answer after answer.
-vllm-router's replay reader (a DEALER) wants that
-layout: it stops at an answer of fewer than four frames and takes the sequence number from the
-second frame from the end, so answers without the topic fill no gap.
+vllm-router's replay reader (a DEALER) wants that layout: it stops at an answer of fewer than
+four frames and takes the sequence number from the second frame from the end, so answers
+without the topic fill no gap.
 
 The sockets belong to one thread (ZMQ sockets are not thread safe), as in vLLM: ``publish``
 only queues the batch, so the engine's loop never waits on the network; the thread encodes and
