@@ -2,8 +2,9 @@
 
 ``build_app`` wires the endpoints, vLLM's set:
 
-- ``GET /health`` (200, empty, while the engine runs) and ``GET /metrics`` (``metrics.py``):
-  open to anyone, as in vLLM, so that a load balancer and Prometheus need no key; they tell
+- ``GET /health`` (200, empty, while the engine runs), ``GET /metrics`` (``metrics.py``) and
+  ``GET /kv_event_sources`` (where the KV cache events go: ``kv_events_config.py``): open to
+  anyone, as in vLLM, so that a load balancer, Prometheus and a router need no key; they tell
   how the server is, and change nothing;
 - with ``--api-key``, every other route needs it: ``GET /v1/models``, ``POST /v1/completions``
   (``serving_completion.py``), ``POST /v1/chat/completions`` (``serving_chat.py``), their
@@ -47,6 +48,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from . import protocol
 from .async_llm import AsyncLLM, EngineDeadError
+from .kv_events_config import KVEventsConfig, KVEventSource, event_sources
 from .limits import RequestSizeLimit
 from .metrics import Metrics
 from .openapi import documented, publish_schema
@@ -86,19 +88,20 @@ def build_app(
     metrics: Metrics,
     api_key: str | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
+    kv_events: KVEventsConfig | None = None,
 ) -> FastAPI:
     """The app over a running ``llm`` (``build_async_engine_client`` started it)."""
     app = FastAPI(title="Paged Prefix Cache: an OpenAI-compatible server", version="1")
     add_error_handlers(app)
-    app.include_router(open_router(llm, metrics))
+    app.include_router(open_router(llm, metrics, kv_events))
     app.include_router(guarded_router(llm, served, api_key))
     app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes)
     publish_schema(app)
     return app
 
 
-def open_router(llm: AsyncLLM, metrics: Metrics) -> APIRouter:
-    """``/health`` and ``/metrics``: no key, as in vLLM."""
+def open_router(llm: AsyncLLM, metrics: Metrics, kv_events: KVEventsConfig | None) -> APIRouter:
+    """``/health``, ``/metrics`` and ``/kv_event_sources``: no key, as in vLLM."""
     router = APIRouter()
 
     @router.get("/health", **documented(None, 503, empty=True))
@@ -110,6 +113,10 @@ def open_router(llm: AsyncLLM, metrics: Metrics) -> APIRouter:
     @router.get("/metrics", **documented(None, prometheus=True))
     async def get_metrics() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
+
+    @router.get("/kv_event_sources", **documented(dict[str, KVEventSource]))  # type: ignore
+    async def kv_event_sources() -> Response:
+        return JSONResponse(event_sources(kv_events))
 
     return router
 

@@ -16,8 +16,15 @@ What goes out, frame by frame (a ZMQ multipart message per batch, on a PUB socke
 
 The replay socket (ROUTER, when ``replay_endpoint`` is set) answers a request of 8 bytes, a
 sequence number, with every batch still in the buffer (the last ``buffer_steps``) from that one
-on, each as ``(seq, payload)``, then ``(-1, b"")``: a subscriber that joined late or lost
-messages asks for what it missed, and replays it before the live stream.
+on, each as the live stream has it, ``(topic, seq, payload)``, then the end marker
+``(b"", END_SEQ, b"")``, ``END_SEQ`` being -1 in 8 signed big-endian bytes (vLLM 0.33's
+``_service_replay``): a subscriber that joined late or lost messages asks for what it missed,
+and replays it before the live stream. The ROUTER socket sends each answer to the asker's
+identity, after an empty delimiter: a REQ socket reads three frames, as from the PUB socket
+(and one answer only); a DEALER reads four, the delimiter first, answer after answer.
+vllm-router's replay reader (a DEALER) wants that layout: it stops at an answer of fewer than
+four frames and takes the sequence number from the second frame from the end, so answers
+without the topic fill no gap.
 
 The sockets belong to one thread (ZMQ sockets are not thread safe), as in vLLM: ``publish``
 only queues the batch, so the engine's loop never waits on the network; the thread encodes and
@@ -110,7 +117,7 @@ def from_wire(event: KVCacheEvent) -> kv_events.KVCacheEvent:
 
 
 DECODER = msgspec.msgpack.Decoder(KVEventBatch)
-END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's last message
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker's sequence number
 
 
 # ---- the publisher ---------------------------------------------------------------------------
@@ -146,6 +153,9 @@ class ZmqEventPublisher:
             attach(self._pub, config.endpoint)
             if config.replay_endpoint is not None:
                 self._replay = context.socket(zmq.ROUTER)
+                # vLLM's: room for a whole buffer's replay and its end marker, however slow the
+                # asker (ZMQ sees a reader's progress only every half high-water mark)
+                self._replay.setsockopt(zmq.SNDHWM, 2 * (config.buffer_steps + 1))
                 self._replay.bind(config.replay_endpoint)
         except zmq.ZMQError as exc:
             self._close()
@@ -192,7 +202,9 @@ class ZmqEventPublisher:
             self._queue.task_done()  # queue.join() returns once every batch is out
 
     def _serve_replay(self) -> None:
-        """One replay request: every buffered batch from its sequence number on, then the end."""
+        """One replay request: every buffered batch from its sequence number on, each as the
+        live stream sends it (topic, seq, payload), then the end marker (b"", END_SEQ, b"");
+        each after the asker's identity and the empty delimiter, as a ROUTER answers."""
         frames = self._replay.recv_multipart()
         if len(frames) != 3:
             return  # not a request (identity, empty delimiter, 8-byte sequence number)
@@ -200,8 +212,9 @@ class ZmqEventPublisher:
         first = int.from_bytes(start, "big")
         for seq, payload in list(self._buffer):
             if seq >= first:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", END_SEQ, b""))
+                answer = (client, b"", self._topic, seq.to_bytes(8, "big"), payload)
+                self._replay.send_multipart(answer)
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
 
 def attach(socket: zmq.Socket, endpoint: str) -> None:

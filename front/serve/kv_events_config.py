@@ -4,14 +4,17 @@ meanings (``vllm/config/kv_events.py``: ``KVEventsConfig``).
     --kv-events-config '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'
 
 Light on purpose (no zmq, no msgspec), so that a bad key is one ``error:`` line before anything
-is loaded; ``kv_events.py`` is the publisher these settings build.
+is loaded; ``kv_events.py`` is the publisher these settings build. ``event_sources`` is what
+``GET /kv_event_sources`` answers: where a router finds the events.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
+
+from typing_extensions import TypedDict  # pydantic reads it (typing's only from 3.12)
 
 PUBLISHERS = ("null", "zmq")
 
@@ -84,3 +87,27 @@ def check(config: KVEventsConfig) -> None:
         raise argparse.ArgumentTypeError(
             f"endpoint must be tcp://HOST:PORT (ipc:// or inproc://), got {config.endpoint!r}"
         )
+
+
+class KVEventSource(TypedDict):
+    """One publisher in ``GET /kv_event_sources``: vLLM's ``KVEventsConfig``, every key."""
+
+    enable_kv_cache_events: bool
+    publisher: str
+    endpoint: str
+    replay_endpoint: str | None
+    buffer_steps: int
+    hwm: int
+    max_queue_size: int
+    topic: str
+
+
+def event_sources(config: KVEventsConfig | None) -> dict[str, KVEventSource]:
+    """``GET /kv_event_sources``, as vLLM 0.33 answers it (``EngineClient.get_kv_event_sources``):
+    the publisher's settings, every key of ``KVEventsConfig`` with the publisher named, under
+    each data-parallel rank that publishes (here one engine, rank ``"0"``); ``{}`` when no
+    events leave the process (off, or the ``null`` publisher). The endpoints are as configured,
+    ``tcp://*:5557`` included, as vLLM reports them for rank 0."""
+    if config is None or not config.publishes:
+        return {}
+    return {"0": KVEventSource(**asdict(replace(config, publisher="zmq")))}

@@ -78,7 +78,9 @@ async def run_server_worker(
         cfg, make_engine, in_thread, metrics.record, make_publisher
     ) as llm:
         print(f"{prog}: {served.name!r} loaded in {time.perf_counter() - start:.1f} s", flush=True)
-        app = build_app(llm, served, metrics, options.api_key, options.max_request_bytes)
+        app = build_app(
+            llm, served, metrics, options.api_key, options.max_request_bytes, options.kv_events
+        )
         config = uvicorn.Config(
             app, log_level="warning", access_log=False, timeout_graceful_shutdown=STOP_GRACE_S
         )

@@ -5,7 +5,9 @@ prefix cache holds, hash -> (parent hash, token ids), after every round: through
 scenarios with tight pools (evictions, preemptions), aborts and ``reset_prefix_cache``. Every
 step emits the same stream on the same requests, round for round, up to step14_8; step14_9's
 longer chunks store blocks in fewer rounds (its own stream is checked by the replay alone).
-With events off, nothing is recorded at all.
+With events off, nothing is recorded at all. Every block event names its ``medium``: the
+engine's pool is ``"GPU"``, as vLLM's ``BlockPool`` names it on every build (its CPU build
+too); a second tier's events name their own, and ``replay`` keeps one medium apart.
 ``replay`` also reads vLLM's own shape of a ``BlockStored``, several blocks in one event, each
 chained to the block before it.
 """
@@ -19,7 +21,15 @@ from types import ModuleType
 
 import pytest
 
-from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, replay
+from common.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventLog,
+    replay,
+)
 from front.steps import load_step
 from tests.helpers import (
     STEP_NAMES,
@@ -146,10 +156,10 @@ def test_an_eviction_and_a_reset_in_order(step: ModuleType) -> None:
     first, second = stored
     assert first.parent_block_hash is None and first.token_ids == [1, 2, 3, 4]
     assert second.parent_block_hash == first.block_hashes[0] and second.token_ids == [5, 6, 7, 8]
-    assert first.block_size == BS
+    assert first.block_size == BS and first.medium == second.medium == MEDIUM_GPU
     engine.generate([list(range(20, 30))], max_new_tokens=2)  # needs 3 of the 4 blocks
     removed = [e for e in engine.take_events() if type(e) is BlockRemoved]
-    assert removed == [BlockRemoved(second.block_hashes)]  # the tail of the chain goes first
+    assert removed == [BlockRemoved(second.block_hashes, MEDIUM_GPU)]  # the chain's tail first
     assert engine.reset_prefix_cache()
     assert engine.take_events()[-1] == AllBlocksCleared()
     assert engine.take_events() == []  # taken once
@@ -206,3 +216,33 @@ def test_a_stored_event_of_several_blocks_chains_each_to_the_one_before() -> Non
         BlockStored([h], parent, list(block[h - 1]), BS) for h, (parent, _) in expected.items()
     ]
     assert replay(one_each) == expected
+
+
+# ---- medium: where a block lives -------------------------------------------------------------
+
+
+def test_a_second_tiers_events_name_their_medium_and_replay_keeps_them_apart() -> None:
+    """The pool's events say ``"GPU"`` (vLLM's name for the engine's own pool, on its CPU
+    build too); ``stored_in`` and ``removed_from`` write a second tier's, with its medium. A
+    block can live in both: leaving the pool does not take it out of the host tier, and
+    replaying one medium rebuilds that tier alone (an event without a medium counts as the
+    pool's, as routers read it)."""
+    log = KVEventLog(BS)
+    log.block_stored(1, None, (1, 2, 3, 4))
+    log.stored_in(MEDIUM_CPU, 1, None, (1, 2, 3, 4))  # offloaded: in both
+    log.block_stored(2, 1, (5, 6, 7, 8))
+    log.block_removed(1)  # evicted from the pool, still in host memory
+    log.removed_from(MEDIUM_CPU, 2)  # never stored there: not the pool's business
+    events = log.take()
+    assert events == [
+        BlockStored([1], None, [1, 2, 3, 4], BS, medium="GPU"),
+        BlockStored([1], None, [1, 2, 3, 4], BS, medium="CPU"),
+        BlockStored([2], 1, [5, 6, 7, 8], BS, medium="GPU"),
+        BlockRemoved([1], "GPU"),
+        BlockRemoved([2], "CPU"),
+    ]
+    assert replay(events[:4]) == {2: (1, (5, 6, 7, 8))}  # the pool, MEDIUM_GPU by default
+    assert replay(events[:4], medium=MEDIUM_CPU) == {1: (None, (1, 2, 3, 4))}
+    unnamed = [BlockStored([3], None, [9, 9, 9, 9], BS)]  # medium None: the pool's
+    assert replay(unnamed) == {3: (None, (9, 9, 9, 9))} and replay(unnamed, medium="CPU") == {}
+    assert KVEventLog(BS, medium="CPU").medium == "CPU" and log.medium == MEDIUM_GPU

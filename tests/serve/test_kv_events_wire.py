@@ -5,13 +5,18 @@ publishes them.
   class with vLLM's fields, decoded back by msgspec into the engine's own events (vLLM cannot
   be installed beside this project's torch, so its classes are mirrored field for field and the
   layout is pinned on the raw msgpack; ``tools/vllm_events.py``, run by a Python with vLLM's CPU
-  build, decodes a live server's events with vLLM's own classes: docs/scale-out.md);
+  build, decodes a live server's events with vLLM's own classes and compares its replay with
+  vLLM's own publisher's, frame for frame: docs/scale-out.md);
 - the stream: the engine core's loop (``EngineCore``) publishes after every round and every
   pause (aborts, ``reset_prefix_cache``); a subscriber that decodes and replays it holds the
   prefix cache's content after every batch, through evictions, preemptions, an abort and a reset;
   the sequence numbers run 0, 1, 2... under the configured topic;
 - the replay socket: a late subscriber asks for what it missed and gets the batches still in the
-  bounded buffer, then the end marker;
+  bounded buffer, then the end marker, in vLLM 0.33's frames (each answer the live stream's
+  three frames, topic first; the end marker ``b"", END_SEQ, b""``), decoded as vLLM's own
+  reader and vllm-router's replay reader decode them: a batch dropped on the way comes back;
+- ``medium``: the engine's pool is ``"GPU"``, as vLLM (its CPU build too) names it;
+- ``GET /kv_event_sources``: vLLM's answer, the publisher's settings under its rank;
 - the real server: ``serve.py --kv-events-config`` publishes its engine's events, the same ones
   the step's engine records offline for the same requests;
 - the flag: vLLM's keys only, each of its type, one ``error:`` line otherwise.
@@ -47,12 +52,21 @@ from front.serve.kv_events import (  # noqa: E402
     from_wire,
     to_wire,
 )
-from front.serve.kv_events_config import KVEventsConfig, kv_events_config  # noqa: E402
+from front.serve.kv_events_config import (  # noqa: E402
+    KVEventsConfig,
+    event_sources,
+    kv_events_config,
+)
 from front.serve.options import parse_args  # noqa: E402
 from front.steps import load_step  # noqa: E402
 from tests.engine.test_kv_events import cache_content  # noqa: E402
 from tests.helpers import STEP_NAMES, tiny_config  # noqa: E402
-from tests.serve.server_process import ENGINE_FLAGS, ENGINE_OVERRIDES, ServerProcess  # noqa: E402
+from tests.serve.server_process import (  # noqa: E402
+    API_KEY,
+    ENGINE_FLAGS,
+    ENGINE_OVERRIDES,
+    ServerProcess,
+)
 
 LOOPBACK_ANY_PORT = "tcp://127.0.0.1:*"  # a wildcard: the publisher binds, on loopback only
 RECEIVE_TIMEOUT_MS = 30_000
@@ -164,19 +178,57 @@ def subscriber(endpoint: str, topic: bytes) -> Any:
     return sub
 
 
-def ask_replay(endpoint: str, first: int) -> list[tuple[int, bytes]]:
-    """What the replay socket sends back for ``first``: (seq, payload) up to the end marker."""
+def replay_socket(endpoint: str, first: int) -> Any:
+    """A DEALER that asked ``endpoint`` for every batch from ``first`` on: the empty delimiter
+    (a REQ socket sends it by itself) and the 8-byte big-endian sequence number."""
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.RCVTIMEO, RECEIVE_TIMEOUT_MS)
     dealer.connect(endpoint)
     dealer.send_multipart([b"", first.to_bytes(8, "big")])
+    return dealer
+
+
+def ask_replay(endpoint: str, first: int, topic: bytes = b"") -> list[tuple[int, bytes]]:
+    """The replay from ``first``, (seq, payload) each, read as vLLM's own subscriber reads it
+    (its publisher tests'): the delimiter off, as a REQ socket takes it off; an answer whose
+    last frame is empty ends the replay; any other is topic, sequence number, payload, with
+    the live stream's topic. (Here through a DEALER: a REQ socket reads one answer only.)"""
+    dealer = replay_socket(endpoint, first)
     answers = []
-    while True:
-        _, seq, payload = dealer.recv_multipart()
-        if seq == END_SEQ:
-            dealer.close(linger=0)
-            return answers
-        answers.append((int.from_bytes(seq, "big"), payload))
+    try:
+        while True:
+            delimiter, *frames = dealer.recv_multipart()
+            assert delimiter == b""
+            if not frames[-1]:
+                assert frames == [b"", END_SEQ, b""], "vLLM's end marker, byte for byte"
+                return answers
+            got_topic, seq, payload = frames
+            assert got_topic == topic, f"the replay's topic is {got_topic!r}"
+            answers.append((int.from_bytes(seq, "big"), payload))
+    finally:
+        dealer.close(linger=0)
+
+
+def router_replay(endpoint: str, last_seq: int) -> list[tuple[int, bytes]]:
+    """The replay as vllm-router reads it (``src/kv_index/subscriber.rs``: ``replay``): it asks
+    for everything after ``last_seq``, reads answers of at least four frames (delimiter, topic,
+    sequence number, payload), the sequence number signed, second from the end, and stops at
+    a shorter answer or at -1; a sequence number it already has is skipped."""
+    dealer = replay_socket(endpoint, last_seq + 1)
+    applied = []
+    try:
+        while True:
+            frames = dealer.recv_multipart()
+            if len(frames) < 4:
+                return applied
+            seq = int.from_bytes(frames[-2], "big", signed=True)
+            if seq == -1:
+                return applied
+            if seq > last_seq:
+                applied.append((seq, frames[-1]))
+                last_seq = seq
+    finally:
+        dealer.close(linger=0)
 
 
 def receive_all(sub: Any, count: int, replay_endpoint: str) -> list[tuple[bytes, int, bytes]]:
@@ -186,7 +238,8 @@ def receive_all(sub: Any, count: int, replay_endpoint: str) -> list[tuple[bytes,
     while not live or int.from_bytes(live[-1][1], "big") < count - 1:
         live.append(sub.recv_multipart())
     first_live = int.from_bytes(live[0][1], "big")
-    missed = [(b"kv", seq, p) for seq, p in ask_replay(replay_endpoint, 0) if seq < first_live]
+    replayed = ask_replay(replay_endpoint, 0, b"kv")
+    missed = [(b"kv", seq, p) for seq, p in replayed if seq < first_live]
     return missed + [(topic, int.from_bytes(seq, "big"), p) for topic, seq, p in live]
 
 
@@ -242,6 +295,83 @@ def test_the_replay_socket_resends_what_its_bounded_buffer_holds() -> None:
         publisher.shutdown()
 
 
+def test_a_replay_answer_is_vllms_frames_byte_for_byte() -> None:
+    """What the ROUTER socket sends, before any socket takes a frame off (a DEALER takes none):
+    for each batch the delimiter, then the live message's three frames, the topic first; then
+    vLLM's end marker, an empty topic, -1 in 8 signed big-endian bytes and an empty payload."""
+    topic = "kv@pod-0@demo"  # llm-d's indexer's pattern: any topic goes through as it is
+    publisher = ZmqEventPublisher(events_config(replay_endpoint=LOOPBACK_ANY_PORT, topic=topic))
+    try:
+        for i in range(3):
+            publisher.publish([kv_events.BlockRemoved([i], kv_events.MEDIUM_GPU)])
+        publisher._queue.join()
+        dealer = replay_socket(publisher.replay_endpoint, 1)
+        try:
+            answers = [dealer.recv_multipart() for _ in range(3)]
+        finally:
+            dealer.close(linger=0)
+    finally:
+        publisher.shutdown()
+    for seq, frames in zip([1, 2], answers[:2], strict=True):
+        assert frames[:3] == [b"", topic.encode(), seq.to_bytes(8, "big")]
+        assert len(frames) == 4 and DECODER.decode(frames[3]).events[0].block_hashes == [seq]
+    assert answers[2] == [b"", b"", b"\xff" * 8, b""] and END_SEQ == b"\xff" * 8
+
+
+def test_a_dropped_batch_comes_back_as_vllms_readers_read_the_replay() -> None:
+    """A batch lost between a replica and the router: the router sees the next sequence
+    number skip one, asks the replay socket for everything after the last batch it has, and
+    fills the gap, as vllm-router's subscriber does; its index then holds every block that
+    was published, tokens and all. vLLM's own reader, asking from the lost batch, gets it with
+    the stream's topic, then the end marker. (With a replay that left the topic out, the
+    router's reader stopped at the first answer: the lost batch's blocks were never credited;
+    vLLM's reader could not unpack the answer.)"""
+    config = events_config(replay_endpoint=LOOPBACK_ANY_PORT)  # topic "": vllm-router's
+    publisher = ZmqEventPublisher(config)
+    sub = subscriber(publisher.endpoint, b"")
+    stored = [
+        kv_events.BlockStored([100 + i], 100 + i - 1 if i else None, [i] * 4, 4, None, "GPU")
+        for i in range(8)
+    ]
+    try:
+        time.sleep(0.2)  # the subscription through (a slow joiner only starts later)
+        for event in stored:
+            publisher.publish([event])
+        live = []
+        while not live or int.from_bytes(live[-1][1], "big") < len(stored) - 1:
+            live.append(sub.recv_multipart())
+        assert len(live) >= 4, "the subscription joined too late to drop a batch in the middle"
+        lost = int.from_bytes(live[-3][1], "big")
+        arrived = [m for m in live if int.from_bytes(m[1], "big") != lost]
+
+        # vllm-router's subscriber loop over what arrived (``src/kv_index/subscriber.rs``)
+        index: dict = {}
+        applied, last_seq = [], -1
+        for _topic, seq_bytes, payload in arrived:
+            seq = int.from_bytes(seq_bytes, "big")
+            if last_seq != -1 and seq > last_seq + 1:  # a gap: replay after the last one
+                for replayed_seq, replayed in router_replay(publisher.replay_endpoint, last_seq):
+                    kv_events.replay([from_wire(e) for e in DECODER.decode(replayed).events], index)
+                    applied.append(replayed_seq)
+                    last_seq = replayed_seq
+            if seq > last_seq:
+                kv_events.replay([from_wire(e) for e in DECODER.decode(payload).events], index)
+                applied.append(seq)
+                last_seq = seq
+        first = int.from_bytes(live[0][1], "big")
+        assert lost in applied and applied == list(range(first, len(stored)))
+        assert index == kv_events.replay(stored[first:])  # every block, the lost one's too
+        credited = sum(len(tokens) for _, tokens in index.values())
+        assert credited == 4 * (len(stored) - first)
+
+        vllm_reads = ask_replay(publisher.replay_endpoint, lost)
+    finally:
+        sub.close(linger=0)
+        publisher.shutdown()
+    assert [seq for seq, _ in vllm_reads] == list(range(lost, len(stored)))
+    assert from_wire(DECODER.decode(vllm_reads[0][1]).events[0]) == stored[lost]
+
+
 def test_an_endpoint_in_use_is_one_line() -> None:
     first = ZmqEventPublisher(events_config())
     try:
@@ -265,7 +395,8 @@ def free_port() -> int:
 def test_the_server_publishes_its_engines_events(chat_checkpoint: Path) -> None:
     """The server's engine process binds its PUB socket (vLLM's rule for a wildcard host) and
     this test subscribes, as a router does; requests one after the other in a pool that must
-    evict, then a reset: the events are the step's engine's, offline, for the same requests."""
+    evict, then a reset: the events are the step's engine's, offline, for the same requests,
+    every block in ``"GPU"``. ``GET /kv_event_sources`` says where they are, with no key."""
     step_name, port = STEP_NAMES[-1], free_port()
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.connect(f"tcp://127.0.0.1:{port}")
@@ -273,18 +404,21 @@ def test_the_server_publishes_its_engines_events(chat_checkpoint: Path) -> None:
     sub.setsockopt(zmq.RCVTIMEO, RECEIVE_TIMEOUT_MS)
     config = f'{{"enable_kv_cache_events": true, "endpoint": "tcp://*:{port}"}}'
     pool = ["--total-blocks", "48", "--max-model-len", "160"]
+    key = ["--api-key", API_KEY]
     server = ServerProcess(
-        step_name, chat_checkpoint, *ENGINE_FLAGS, *pool, "--kv-events-config", config
+        step_name, chat_checkpoint, *ENGINE_FLAGS, *pool, *key, "--kv-events-config", config
     )
     prompts = [[5 + i, 6, 7, 8] * (10 + 3 * i) for i in range(4)]
+    auth = {"Authorization": f"Bearer {API_KEY}"}
     try:
+        sources = httpx.get(server.url + "/kv_event_sources", timeout=60).json()
         time.sleep(0.5)  # the subscription through before the first event
         for prompt in prompts:
             body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-            assert (
-                httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
-            )
-        assert httpx.post(server.url + "/reset_prefix_cache", timeout=60).status_code == 200
+            answer = httpx.post(server.url + "/v1/completions", json=body, headers=auth, timeout=60)
+            assert answer.status_code == 200
+        reset = httpx.post(server.url + "/reset_prefix_cache", headers=auth, timeout=60)
+        assert reset.status_code == 200
         received = []
         while not received or not isinstance(received[-1], kv_events.AllBlocksCleared):
             try:
@@ -304,6 +438,41 @@ def test_the_server_publishes_its_engines_events(chat_checkpoint: Path) -> None:
     expected = engine.take_events()
     assert received == expected
     assert any(isinstance(e, kv_events.BlockRemoved) for e in expected)
+    assert {e.medium for e in expected if not isinstance(e, kv_events.AllBlocksCleared)} == {"GPU"}
+    assert sources == event_sources(kv_events_config(config))
+    assert sources["0"]["endpoint"] == f"tcp://*:{port}" and sources["0"]["publisher"] == "zmq"
+
+
+# ---- where the events are: GET /kv_event_sources ---------------------------------------------
+
+
+def test_the_sources_are_vllms_answer() -> None:
+    """vLLM 0.33's route answers its engine client's ``get_kv_event_sources()``, a map from
+    each data-parallel rank to its publisher's ``KVEventsConfig``, every key, the publisher
+    named; JSON makes the rank a string. Nothing published (events off, or the ``null``
+    publisher): an empty map."""
+    config = kv_events_config(
+        '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5591", '
+        '"replay_endpoint": "tcp://*:5592", "topic": "kv@pod-0@demo"}'
+    )
+    assert event_sources(config) == {
+        "0": {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": "tcp://*:5591",
+            "replay_endpoint": "tcp://*:5592",
+            "buffer_steps": 10_000,
+            "hwm": 100_000,
+            "max_queue_size": 100_000,
+            "topic": "kv@pod-0@demo",
+        }
+    }
+    assert event_sources(None) == {}
+    assert event_sources(kv_events_config('{"enable_kv_cache_events": false}')) == {}
+    assert (
+        event_sources(kv_events_config('{"enable_kv_cache_events": true, "publisher": "null"}'))
+        == {}
+    )
 
 
 # ---- the flag ---------------------------------------------------------------------------------
