@@ -110,6 +110,8 @@ class KVEventLog(RoundObserver):
             BlockStored([block_hash], parent_hash, tokens, self.block_size, medium=medium)
         )
 
+    tier_stored = stored_in  # the observer's name for a block written to step14_10's tier
+
     def removed_from(self, medium: str, block_hash: int) -> None:
         """A block left ``medium``: it may still live in another one."""
         self.events.append(BlockRemoved([block_hash], medium))

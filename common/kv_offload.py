@@ -192,7 +192,7 @@ class KVOffload:
                 self._pending[key] = entry
                 self._pending_bytes += entry.nbytes
             self._queue.put(key)
-            self.observer.tier_stored(self.tier.name, block_hash, parent_hash, token_ids)
+            self.observer.tier_stored(self.tier.medium, block_hash, parent_hash, token_ids)
         self._start_writer()
 
     def flush(self) -> None:

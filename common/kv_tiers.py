@@ -45,6 +45,7 @@ from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
 from .errors import MissingPackageError, UserError
+from .kv_events import MEDIUM_CPU, MEDIUM_STORAGE
 
 log = logging.getLogger("common.kv_tiers")
 
@@ -130,6 +131,7 @@ class HostTier(KVTier):
     """
 
     name = "host"
+    medium = MEDIUM_CPU  # vLLM's name for where its KV events say the block lives
 
     def __init__(self, capacity_bytes: int) -> None:
         super().__init__("memory")
@@ -201,6 +203,7 @@ class DiskTier(KVTier):
     """
 
     name = "disk"
+    medium = MEDIUM_STORAGE  # vLLM's name for where its KV events say the block lives
 
     def __init__(self, path: str | Path, capacity_bytes: int) -> None:
         super().__init__(str(path))
@@ -332,6 +335,7 @@ class RedisTier(KVTier):
     """
 
     name = "redis"
+    medium = MEDIUM_STORAGE  # vLLM's name for where its KV events say the block lives
 
     def __init__(self, url: str, timeout_s: float = 0.5, backoff_s: float = 1.0) -> None:
         redis = _import_redis()

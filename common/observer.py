@@ -69,8 +69,9 @@ class RoundObserver:
     def tier_stored(
         self, medium: str, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...]
     ) -> None:
-        """step14_10: a full block was written through to the second tier ``medium``
-        ("host", "disk", "redis"): vLLM's ``BlockStored`` with that medium."""
+        """step14_10: a full block was written through to the second tier, whose ``medium`` is
+        vLLM's name for it ("CPU": host memory; "STORAGE": a disk or a remote store): vLLM's
+        ``BlockStored`` with that medium."""
 
     def preempted(self, seq: Seq, for_seq: Seq) -> None:
         """``seq``, the youngest running request, goes back to the queue because ``for_seq``

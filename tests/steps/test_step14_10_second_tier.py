@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from common.hashing import hash_prefix_blocks
+from common.kv_events import BlockStored, replay
 from common.kv_offload import KVOffload
 from common.kv_tiers import DiskTier, HostTier, KVTier, RedisTier
 from common.observer import RoundObserver
@@ -109,7 +110,7 @@ def test_each_block_is_stored_once_and_a_loaded_one_never_again() -> None:
     offload(engine).flush()
     stores = engine.stats.kv_offload_stores
     assert stores == len(watcher.stored) == len({h for _, h in watcher.stored})
-    assert {m for m, _ in watcher.stored} == {"host"}
+    assert {m for m, _ in watcher.stored} == {"CPU"}  # vLLM's medium for host memory
     engine.generate_serial(prompts, 3)
     offload(engine).flush()
     assert watcher.blocks, "the second pass must load"
@@ -237,8 +238,9 @@ def json_header(raw: bytes, **changes: object) -> bytes:
 
 
 def test_a_block_refused_by_the_cache_is_not_written_through() -> None:
-    """A request that skips reading the cache computes its own copy of a cached prefix: the
-    cache refuses those blocks (the first block under a hash wins), and so does the tier."""
+    """A request that reads no cache (it asks for its prompt logprobs) computes its own copy
+    of a cached prefix: the cache refuses those blocks (the first block under a hash wins),
+    and so does the tier."""
     cfg = tiny_config()
     prompt = tenants(1, 3)[0]
     engine = make(cfg)
@@ -248,7 +250,7 @@ def test_a_block_refused_by_the_cache_is_not_written_through() -> None:
     offload(engine).flush()
     stored = list(watcher.stored)
     assert len(stored) == 4  # three prompt blocks, and the one its answer filled
-    params = SamplingParams(max_tokens=2, skip_reading_prefix_cache=True)
+    params = SamplingParams(max_tokens=2, prompt_logprobs=0)  # (vLLM: then it reads no cache)
     engine.generate([prompt], sampling_params=params)
     offload(engine).flush()
     assert watcher.stored == stored and engine.stats.kv_offload_stores == 4
@@ -284,6 +286,29 @@ def test_a_block_on_its_way_to_the_tier_is_found() -> None:
         tier.gate.set()
     offload(engine).flush()
     assert tier.nbytes > 0
+
+
+def test_kv_events_say_which_medium_holds_a_block() -> None:
+    """With KV events on, a block written through is a ``BlockStored`` of the tier's medium
+    (vLLM's "CPU" for host memory) after the pool's own ("GPU", vLLM's name for the pool on
+    every build); a block loaded back is stored in the pool again."""
+    cfg = tiny_config(total_blocks=12)
+    prompts = tenants(4, 4)
+    engine = make(cfg, enable_kv_cache_events=True)
+    engine.generate_serial(prompts, 3)
+    events = engine.take_events()
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    pool = [e.block_hashes[0] for e in stored if e.medium == "GPU"]
+    tier = [e.block_hashes[0] for e in stored if e.medium == "CPU"]
+    assert pool and sorted(pool) == sorted(tier)  # every cached block, once in each medium
+    assert set(replay(events, medium="CPU")) == set(tier)  # what a router rebuilds of the tier
+    engine.generate_serial(prompts, 3)
+    again = [e for e in engine.take_events() if isinstance(e, BlockStored)]
+    loaded = {e.block_hashes[0] for e in again if e.medium == "GPU"} & set(tier)
+    assert len(loaded) >= 8  # back in the pool (at least the two tenants it had evicted)
+    # blocks computed again (each prompt's last, which its answer filled) may be announced
+    # again by the tier: nothing it did not hold already
+    assert {e.block_hashes[0] for e in again if e.medium == "CPU"} <= set(tier)
 
 
 # ---- a restart, and a failing tier --------------------------------------------------------------
