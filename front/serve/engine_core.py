@@ -304,7 +304,7 @@ class ProcessCore:
     def start(self) -> None:
         """Start the process and wait until its engine is built; ``EngineStartError`` with
         the reason when it could not be."""
-        self.process.start()
+        start_deaf(self.process)
         for end in self._child_ends:
             end.close()  # the child holds them now: its death closes the pipes
         try:
@@ -358,6 +358,26 @@ class ProcessCore:
             thread.join()
 
 
+def start_deaf(process: multiprocessing.process.BaseProcess) -> None:
+    """Start ``process`` with Ctrl-C and SIGTERM blocked, until it ignores them itself
+    (``run_process``). A terminal's Ctrl-C reaches every process of its group, the engine's
+    too: raised there while Python starts and torch is imported, it would end that process in
+    a traceback (or an abort) beside the server's one line. A process inherits the mask of the
+    thread that starts it; multiprocessing's resource tracker, which the first process a
+    program starts brings up, unblocks both after its own start, so it is brought up first."""
+    if not hasattr(signal, "pthread_sigmask"):  # no signal masks (Windows)
+        process.start()
+        return
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 def _pipe(context: Any) -> tuple[Connection, Connection]:
     """A one-way pipe: (the end that sends, the end that receives)."""
     receiving, sending = context.Pipe(duplex=False)
@@ -375,9 +395,10 @@ def run_process(
     make_publisher: Callable[[], Any] | None = None,
 ) -> None:
     """The engine process. Ctrl-C and SIGTERM are the server's to handle: it aborts what is
-    in flight and sends ``Stop``. A server that dies without one (killed) closes its ends of
-    the pipes: this process then ends at once, at the next message it reads or sends (a
-    second at most while idle), with what it held; no orphan is left running."""
+    in flight and sends ``Stop`` (here they are ignored; blocked until now, ``start_deaf``). A
+    server that dies without one (killed) closes its ends of the pipes: this process then ends
+    at once, at the next message it reads or sends (a second at most while idle), with what it
+    held; no orphan is left running."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
