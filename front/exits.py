@@ -73,8 +73,15 @@ def report_user_errors(prog: str, body: Callable[[], int]) -> int:
 def interrupted(prog: str) -> int:
     """What Ctrl-C ends a command with: ``<prog>: interrupted`` on stderr, on a line of its
     own, then the end of ``end_by_signal``."""
-    print(f"\n{prog}: interrupted", file=sys.stderr)
+    say(f"\n{prog}: interrupted")
     return end_by_signal(signal.SIGINT)
+
+
+def say(line: str) -> None:
+    """``line`` on stderr, flushed now. A reader gone meanwhile (a ``| tee`` that the same
+    Ctrl-C ended) is not the command's error: what is ending goes on to its end."""
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr, flush=True)
 
 
 def end_by_signal(sig: int) -> int:
@@ -85,8 +92,9 @@ def end_by_signal(sig: int) -> int:
     status = 128 + sig
     if os.name != "posix":
         return status
-    sys.stdout.flush()
-    sys.stderr.flush()
+    with contextlib.suppress(OSError):  # a reader gone: ``say``
+        sys.stdout.flush()
+        sys.stderr.flush()
     signal.signal(sig, signal.SIG_DFL)
     os.kill(os.getpid(), sig)
     return status  # not reached: the signal ends the process
@@ -95,10 +103,11 @@ def end_by_signal(sig: int) -> int:
 def end_now(prog: str) -> None:
     """``interrupted``'s line and end, from a signal handler, where ``print`` could find stderr
     in the middle of a write of the code the signal stopped: the line goes to the file itself."""
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(Exception):  # in use (a RuntimeError), or a reader gone
         sys.stdout.flush()
         sys.stderr.flush()
-    os.write(2, f"\n{prog}: interrupted\n".encode())
+    with contextlib.suppress(OSError):
+        os.write(2, f"\n{prog}: interrupted\n".encode())
     if os.name == "posix":
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import queue
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +41,10 @@ import torch
 from common.errors import UserError, one_line
 from common.inputs import Request
 from common.sampling_params import RequestOutput
+
+# The longest a stop waits for the engine's process to end once it said Stopped: it has only
+# its exit left (``run_process``), and is killed if it has not made it by then.
+JOIN_S = 1.0
 
 # ---- the messages ----------------------------------------------------------------------------
 
@@ -348,11 +354,15 @@ class ProcessCore:
         self.on_message(Stopped(["the engine process ended"]))
 
     def kill(self) -> None:
-        """End the process at once (a start given up: its engine is being built)."""
+        """End the process at once (a start given up: its engine is being built; or a stop
+        that it has not finished in time)."""
         if self.process.is_alive():
             self.process.kill()
 
     def join(self) -> None:
+        """After ``Stopped``: the process ends by itself at once, or is killed (``JOIN_S``)."""
+        self.process.join(JOIN_S)
+        self.kill()
         self.process.join()
         for thread in self.threads:
             thread.join()
@@ -418,3 +428,9 @@ def run_process(
 
     with contextlib.suppress(PipeClosed):
         EngineCore(engine, publisher).run(pipe_receiver(inbox, alive), send)
+    # Nothing is left to do or say: the process ends here, without Python's own end, which
+    # with torch loaded took seconds on a busy machine, while the server waited for it.
+    with contextlib.suppress(OSError):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(0)

@@ -140,12 +140,15 @@ def test_ctrl_c_in_a_runs_start_up_is_one_line(moment: Moment) -> None:
 @pytest.mark.parametrize("moment", [*SERVE_MOMENTS, "serving on"], ids=moment_id)
 def test_ctrl_c_in_a_servers_start_up_is_one_line(moment: Moment, toy_checkpoint: Path) -> None:
     """A server, interrupted while it or its engine process imports, while the engine is
-    built, or once it serves (then its stop's line): one line."""
+    built: one line; once it serves, its stop's two (as it begins, as it ends)."""
     step_name = STEP_NAMES[-1]
     prog = f"python -m {step_name}.serve"
     args = [f"{step_name}.serve", "--model", str(toy_checkpoint), "--port", "0"]
     done = interrupt_at(args, moment)
-    stop = [f"{prog}: stopped by SIGINT; every block is back in the pool"]
+    stop = [
+        f"{prog}: stopping on SIGINT; what is in flight is aborted",
+        f"{prog}: stopped by SIGINT; every block is back in the pool",
+    ]
     check_one_line(done, prog, stop)
 
 
