@@ -122,7 +122,7 @@ def make_toy_checkpoint(folder: Path) -> str:
 
 
 def report(args: argparse.Namespace, runs: list[dict[str, float]]) -> None:
-    load = f"{args.busy} busy loops beside it" if args.busy else "idle"
+    load = f"{args.busy} busy loops beside it" if args.busy else "no load of its own"
     print(f"{args.step}, {args.streams} streams open, {load}, {args.runs} runs")
     print("seconds from SIGINT to          median    min    max")
     for what in runs[0]:  # in the order they came

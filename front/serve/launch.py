@@ -205,12 +205,13 @@ class EngineServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self.stopped_by = self.stopped_by or sig
+        """The stop begins: every request in flight aborted, the stop's first line said (by
+        the event loop as soon as this handler returns: said here, it could find stderr in
+        the middle of a write), and uvicorn told to stop (at its next tick: no new
+        connection, each open one closed once its answer, aborted, has ended)."""
+        if self.stopped_by is None:
+            self.stopped_by = sig
+            line = f"{self.prog}: stopping on {why(sig)}; what is in flight is aborted"
+            asyncio.get_running_loop().call_soon_threadsafe(say, line)
         self.llm.abort_all()
         super().handle_exit(sig, frame)
-
-    async def shutdown(self, sockets: Any = None) -> None:
-        """The stop, a tick after the signal: its first line, then uvicorn's own (no new
-        connection; each open one closed once its answer, aborted, has ended)."""
-        say(f"{self.prog}: stopping on {why(self.stopped_by)}; what is in flight is aborted")
-        await super().shutdown(sockets)
