@@ -6,10 +6,6 @@ Every front end is a module with the same three functions: ``build_parser(prog)`
 flags, ``read_options(parser, argv)`` checks them and reads them into a frozen options object,
 and ``run(step_name, options)`` does the work and returns the exit status. A new front end is
 one more entry of ``FRONT_ENDS``.
-
-Nothing heavy is imported here until a front end is chosen, so that ``run_command``, what
-``python -m <step>.run`` runs, answers Ctrl-C with one line from the start: also in the seconds
-when torch is still being imported.
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from types import ModuleType
 
-from .exits import interrupted, report_user_errors
+from .exits import report_user_errors
 
 
 @dataclass(frozen=True)
@@ -56,15 +52,6 @@ def main(step_name: str, argv: list[str] | None = None) -> int:
     # A problem with the checkpoint or a request is one ``error:`` line and exit status 1 (a
     # traceback is left for bugs), whichever front end met it.
     return report_user_errors(parser.prog, lambda: module.run(step_name, options))
-
-
-def run_command(step_name: str) -> int:
-    """``python -m <step>.run`` itself: ``main``, where Ctrl-C at any moment, while the front
-    end and torch are imported too, ends with one line."""
-    try:
-        return main(step_name)
-    except KeyboardInterrupt:
-        return interrupted(f"python -m {step_name}.run")
 
 
 def load(front_end: FrontEnd) -> ModuleType:

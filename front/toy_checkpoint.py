@@ -32,11 +32,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config import PRESETS, preset
 from common.errors import MissingPackageError
 
-from .cli import HelpFormatter, writable_folder
-from .exits import report_user_errors
+from .exits import report_user_errors, run_command
 from .steps import available_steps
 
 PROG = "python -m front.toy_checkpoint"
@@ -64,6 +62,8 @@ class ToyOptions:
 def toy_folder(text: str) -> str:
     """DIR: a folder that can be written in and that holds nothing but what this command writes
     (a rerun overwrites its own files; a folder with anything else is someone else's)."""
+    from .cli import writable_folder
+
     writable_folder(text)
     folder = Path(text).expanduser()
     if folder.is_dir():
@@ -78,6 +78,10 @@ def toy_folder(text: str) -> str:
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    from common.config import PRESETS  # torch: imported once ``run_command`` holds Ctrl-C
+
+    from .cli import HelpFormatter
+
     parser = argparse.ArgumentParser(
         prog=prog, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
     )
@@ -111,6 +115,7 @@ def save(folder: Path, preset_name: str) -> None:
         raise MissingPackageError(
             f"writing a checkpoint needs {package}: pip install -e '.[real]'"
         ) from None
+    from common.config import preset
     from common.weights import make_state_dict
 
     from .hf import hf_config_dict
@@ -135,6 +140,8 @@ def save(folder: Path, preset_name: str) -> None:
 
 
 def write(options: ToyOptions) -> int:
+    from common.config import preset
+
     save(options.folder, options.preset)
     vocab = preset(options.preset).vocab_size
     print(
@@ -153,4 +160,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(PROG, main))

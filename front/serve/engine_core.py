@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import queue
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +41,10 @@ import torch
 from common.errors import UserError, one_line
 from common.inputs import Request
 from common.sampling_params import RequestOutput
+
+# The longest a stop waits for the engine's process to end once it said Stopped: it has only
+# its exit left (``run_process``), and is killed if it has not made it by then.
+JOIN_S = 1.0
 
 # ---- the messages ----------------------------------------------------------------------------
 
@@ -304,7 +310,7 @@ class ProcessCore:
     def start(self) -> None:
         """Start the process and wait until its engine is built; ``EngineStartError`` with
         the reason when it could not be."""
-        self.process.start()
+        start_deaf(self.process)
         for end in self._child_ends:
             end.close()  # the child holds them now: its death closes the pipes
         try:
@@ -348,14 +354,38 @@ class ProcessCore:
         self.on_message(Stopped(["the engine process ended"]))
 
     def kill(self) -> None:
-        """End the process at once (a start given up: its engine is being built)."""
+        """End the process at once (a start given up: its engine is being built; or a stop
+        that it has not finished in time)."""
         if self.process.is_alive():
             self.process.kill()
 
     def join(self) -> None:
+        """After ``Stopped``: the process ends by itself at once, or is killed (``JOIN_S``)."""
+        self.process.join(JOIN_S)
+        self.kill()
         self.process.join()
         for thread in self.threads:
             thread.join()
+
+
+def start_deaf(process: multiprocessing.process.BaseProcess) -> None:
+    """Start ``process`` with Ctrl-C and SIGTERM blocked, until it ignores them itself
+    (``run_process``). A terminal's Ctrl-C reaches every process of its group, the engine's
+    too: raised there while Python starts and torch is imported, it would end that process in
+    a traceback (or an abort) beside the server's one line. A process inherits the mask of the
+    thread that starts it; multiprocessing's resource tracker, which the first process a
+    program starts brings up, unblocks both after its own start, so it is brought up first."""
+    if not hasattr(signal, "pthread_sigmask"):  # no signal masks (Windows)
+        process.start()
+        return
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _pipe(context: Any) -> tuple[Connection, Connection]:
@@ -375,9 +405,10 @@ def run_process(
     make_publisher: Callable[[], Any] | None = None,
 ) -> None:
     """The engine process. Ctrl-C and SIGTERM are the server's to handle: it aborts what is
-    in flight and sends ``Stop``. A server that dies without one (killed) closes its ends of
-    the pipes: this process then ends at once, at the next message it reads or sends (a
-    second at most while idle), with what it held; no orphan is left running."""
+    in flight and sends ``Stop`` (here they are ignored; blocked until now, ``start_deaf``). A
+    server that dies without one (killed) closes its ends of the pipes: this process then ends
+    at once, at the next message it reads or sends (a second at most while idle), with what it
+    held; no orphan is left running."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
@@ -397,3 +428,9 @@ def run_process(
 
     with contextlib.suppress(PipeClosed):
         EngineCore(engine, publisher).run(pipe_receiver(inbox, alive), send)
+    # Nothing is left to do or say: the process ends here, without Python's own end, which
+    # with torch loaded took seconds on a busy machine, while the server waited for it.
+    with contextlib.suppress(OSError):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(0)

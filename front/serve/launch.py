@@ -1,14 +1,14 @@
 """The server's life, in order (vLLM's ``run_server``): the socket bound, the checkpoint
 checked, the engine built and started, uvicorn serving until a signal, the engine stopped,
-one line.
+a line as the stop begins and one as it ends.
 
 What can be checked before the slow part is: the address (the socket is bound before the
 model loads, so a port in use costs a second), the checkpoint's config, tokenizer, chat
 template and weight shapes, and that the KV pool holds one request as long as the context
 (vLLM refuses to start otherwise). Then ``build_async_engine_client`` owns the engine's life:
 it builds and starts it, and whatever ends the serving, aborts what is in flight and stops it.
-A signal (Ctrl-C, SIGTERM) ends the serving; one line then says which, and whether every block
-came back to the pool, and the process ends by that signal.
+A signal (Ctrl-C, SIGTERM) ends the serving: a line says so as the stop begins, one at its end
+says whether every block came back to the pool, and the process ends by that signal.
 
 Imported once the packages are known to be there (``cli.require_packages``).
 """
@@ -37,7 +37,7 @@ from common.sampling_params import SamplingParams
 
 from ..build import EngineBuilder, ModelSource
 from ..codec import TextCodec
-from ..exits import end_by_signal
+from ..exits import end_by_signal, say
 from .api_server import build_app
 from .async_llm import AsyncLLM, build_async_engine_client
 from .kv_events_config import KVEventsConfig
@@ -86,7 +86,7 @@ async def run_server_worker(
         )
         server = EngineServer(config, llm, prog)
         await server.serve(sockets=[listener])
-    print(stop_line(prog, server.stopped_by, llm.pool_problems), file=sys.stderr, flush=True)
+    say(stop_line(prog, server.stopped_by, llm.pool_problems))
     return server.stopped_by
 
 
@@ -103,10 +103,14 @@ def with_kv_events(
 
 
 def stop_line(prog: str, stopped_by: int | None, pool_problems: list[str] | None) -> str:
-    """What a stop says: why, and whether every block is back (free, or cached alone)."""
-    why = signal.Signals(stopped_by).name if stopped_by is not None else "request"
+    """What a stop says at its end: why, and whether every block is back (free, or cached
+    alone)."""
     pool = "every block is back in the pool" if pool_problems == [] else f"pool: {pool_problems}"
-    return f"{prog}: stopped by {why}; {pool}"
+    return f"{prog}: stopped by {why(stopped_by)}; {pool}"
+
+
+def why(stopped_by: int | None) -> str:
+    return signal.Signals(stopped_by).name if stopped_by is not None else "request"
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -171,9 +175,9 @@ def check_pool_holds_context(cfg: ModelConfig) -> None:
 
 class EngineServer(uvicorn.Server):
     """uvicorn's server, whose stop aborts every request in flight before it waits for the
-    connections to close (a stream would otherwise run to its last token), and remembers the
-    signal that stopped it (uvicorn would raise it again at once; the engine is stopped and
-    the line said first)."""
+    connections to close (a stream would otherwise run to its last token), says so as it
+    begins, and remembers the signal that stopped it (uvicorn would raise it again at once;
+    the engine is stopped and the pool's line said first)."""
 
     def __init__(self, config: uvicorn.Config, llm: AsyncLLM, prog: str) -> None:
         super().__init__(config)
@@ -203,6 +207,13 @@ class EngineServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self.stopped_by = self.stopped_by or sig
+        """The stop begins: every request in flight aborted, the stop's first line said (by
+        the event loop as soon as this handler returns: said here, it could find stderr in
+        the middle of a write), and uvicorn told to stop (at its next tick: no new
+        connection, each open one closed once its answer, aborted, has ended)."""
+        if self.stopped_by is None:
+            self.stopped_by = sig
+            line = f"{self.prog}: stopping on {why(sig)}; what is in flight is aborted"
+            asyncio.get_running_loop().call_soon_threadsafe(say, line)
         self.llm.abort_all()
         super().handle_exit(sig, frame)

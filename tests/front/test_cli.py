@@ -22,7 +22,6 @@ from __future__ import annotations
 import ast
 import importlib
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -238,28 +237,6 @@ def test_the_demo_does_not_import_the_text_front_end() -> None:
     """The dispatcher knows the front ends; the demo knows only itself and what they share."""
     imported = imported_modules(ROOT / "front" / "demo.py")
     assert not {"text", "text_cli", "stream", "chat"} & {name.split(".")[-1] for name in imported}
-
-
-def test_ctrl_c_while_torch_is_imported_is_one_line() -> None:
-    """Ctrl-C in the first seconds, while torch is still being imported, ends the command as it
-    does later: one line, and by SIGINT (the shell reads 130), no traceback. ``-X importtime``
-    reports every module as its import ends: a line naming torch means torch is under way."""
-    process = subprocess.Popen(
-        [sys.executable, "-X", "importtime", "-m", f"{STEP_NAMES[0]}.run"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert process.stderr is not None
-    for line in process.stderr:
-        if "torch" in line:
-            break
-    process.send_signal(signal.SIGINT)
-    out, err = process.communicate(timeout=120)
-    said = [line for line in err.splitlines() if line and not line.startswith("import time:")]
-    assert process.returncode == -signal.SIGINT, err
-    assert said == [f"python -m {STEP_NAMES[0]}.run: interrupted"] and out == ""
 
 
 # ---- the context length --------------------------------------------------------------------------

@@ -4,9 +4,10 @@
   use, a pool too small for the context or a missing package is one line and exit 1, before
   the weights load;
 - by default it listens on 127.0.0.1 and names the model by its ``--model`` argument;
-- Ctrl-C (SIGINT) or SIGTERM stops it with one line, even with an answer streaming: the answer
-  ends (``finish_reason`` "abort", then ``[DONE]``), every block is back in the pool, and the
-  process ends by the signal, as a program the signal stopped does;
+- Ctrl-C (SIGINT) or SIGTERM stops it, even with answers streaming: the answers end
+  (``finish_reason`` "abort", then ``[DONE]``), every block is back in the pool, and the
+  process ends by the signal, as a program the signal stopped does; one line says so as the
+  stop begins (before the engine has stopped), one as it ends, both flushed down a pipe;
 - a server killed outright (SIGKILL: no chance to stop anything) leaves no engine process
   behind, idle or busy: the engine's process sees its pipes close and ends within seconds.
 """
@@ -19,6 +20,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -139,7 +141,7 @@ def test_a_generation_config_it_cannot_use_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 @pytest.mark.parametrize("step_name", STEP_NAMES)
-def test_a_signal_stops_it_with_one_line(
+def test_a_signal_stops_it_with_a_line_as_it_begins_and_one_as_it_ends(
     step_name: str, sig: signal.Signals, chat_checkpoint: Path
 ) -> None:
     server = ServerProcess(step_name, chat_checkpoint, *ENGINE_FLAGS)
@@ -158,9 +160,26 @@ def test_a_signal_stops_it_with_one_line(
         server.kill()
     assert rest[-1]["choices"][0]["finish_reason"] == "abort"
     assert status == -sig
+    prog = f"python -m {step_name}.serve"
     assert err.splitlines() == [
-        f"python -m {step_name}.serve: stopped by {sig.name}; every block is back in the pool"
+        f"{prog}: stopping on {sig.name}; what is in flight is aborted",
+        f"{prog}: stopped by {sig.name}; every block is back in the pool",
     ]
+
+
+def test_a_stop_whose_reader_is_gone_still_ends_by_the_signal(chat_checkpoint: Path) -> None:
+    """``python -m <step>.serve 2>&1 | tee log``: the same Ctrl-C ends tee at once, and the
+    stop's lines find no reader. The stop goes on to its end all the same (the end by
+    SIGINT), not a ``BrokenPipeError``'s status 1."""
+    server = ServerProcess(LAST, chat_checkpoint, *ENGINE_FLAGS)
+    try:
+        server.process.stdout.close()  # type: ignore[union-attr]
+        server.process.stderr.close()  # type: ignore[union-attr]
+        server.process.send_signal(signal.SIGINT)
+        status = server.process.wait(60)
+    finally:
+        server.kill()
+    assert status == -signal.SIGINT
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
@@ -246,3 +265,68 @@ def test_the_stop_reports_the_blocks_an_engine_did_not_give_back(
     assert stopped_by == signal.SIGINT and rest[-1] == "data: [DONE]"
     line = capsys.readouterr().err.splitlines()[-1]
     assert line.startswith("prog: stopped by SIGINT; pool: [") and "every block" not in line
+
+
+def test_the_stop_says_so_before_the_engine_has_stopped(
+    chat_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The stop's first line comes as the stop begins, not with the pool's at its end: here
+    the engine's stop (its last pool check, on a thread of this process) waits until that
+    line is out. Eight streams are open; each ends aborted."""
+    from front.serve import launch
+
+    let_go = threading.Event()
+
+    class WaitsToStop(EngineBuilder):
+        def __call__(self, model: object = None, **engine_args: object) -> object:
+            engine = super().__call__(model, **engine_args)
+            check = engine.ref_count_problems
+            engine.ref_count_problems = lambda: let_go.wait(60) and check()
+            return engine
+
+    options = ServeOptions(str(chat_checkpoint), "127.0.0.1", 0, None, None, ENGINE, True)
+    served, builder = launch.load_served_model(LAST, options)
+    waits = WaitsToStop(builder.step_name, builder.source, builder.options)
+    listener = launch.bind("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1/completions"
+    said: list[str] = []
+
+    async def one_stream(client: httpx.AsyncClient, opened: asyncio.Event) -> list[str]:
+        body = {"prompt": "The cat", "max_tokens": 1500, "stream": True}
+        async with client.stream("POST", url, json=body) as answer:
+            lines = answer.aiter_lines()
+            async for line in lines:
+                if line.startswith("data: {"):
+                    break
+            opened.set()
+            return [line async for line in lines if line]
+
+    async def streams_then_stop() -> list[list[str]]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            opened = [asyncio.Event() for _ in range(8)]
+            answers = [asyncio.create_task(one_stream(client, o)) for o in opened]
+            for event in opened:
+                await event.wait()
+            os.kill(os.getpid(), signal.SIGINT)
+            rests = await asyncio.gather(*answers)
+        for _ in range(600):  # the stop's first line, while the engine waits to stop
+            said.extend(capsys.readouterr().err.splitlines())
+            if said:
+                break
+            await asyncio.sleep(0.05)
+        let_go.set()
+        return rests
+
+    async def main() -> tuple[int | None, list[list[str]]]:
+        serving = asyncio.create_task(
+            launch.run_server_worker(waits, served, options, listener, "prog")
+        )
+        rests = await streams_then_stop()
+        return await serving, rests
+
+    stopped_by, rests = asyncio.run(main())
+    assert stopped_by == signal.SIGINT
+    assert all(rest[-1] == "data: [DONE]" and '"abort"' in rest[-2] for rest in rests)
+    assert said == ["prog: stopping on SIGINT; what is in flight is aborted"]
+    last = capsys.readouterr().err.splitlines()
+    assert last == ["prog: stopped by SIGINT; every block is back in the pool"]
