@@ -287,7 +287,15 @@ class KVOffload:
         return TierEntry(block_hash, header["parent_hash"], tokens, k, v)
 
 
-# Blocks on their way when the interpreter exits still reach the tier (a disk tier that
-# survives a restart must hold what the last run stored).
 _LIVE: weakref.WeakSet[KVOffload] = weakref.WeakSet()
-atexit.register(lambda: [offload.flush() for offload in list(_LIVE)])
+
+
+def flush_second_tiers() -> None:
+    """Wait until every engine's stored blocks are in its tier: a disk tier that survives a
+    restart must hold what the last run stored. At the interpreter's exit, and where a process
+    ends without it (the server's engine process)."""
+    for offload in list(_LIVE):
+        offload.flush()
+
+
+atexit.register(flush_second_tiers)

@@ -40,6 +40,7 @@ import torch
 
 from common.errors import UserError, one_line
 from common.inputs import Request
+from common.kv_offload import flush_second_tiers
 from common.sampling_params import RequestOutput
 
 # The longest a stop waits for the engine's process to end once it said Stopped: it has only
@@ -144,6 +145,7 @@ class EngineCore:
             finally:
                 if self.publisher is not None:
                     self.publisher.shutdown()
+                flush_second_tiers()  # step14_10: what is on its way reaches the disk or Redis
         send(Stopped(problems))
 
     def take_messages(self, receive: Receive, send: Send, wait: bool) -> None:
