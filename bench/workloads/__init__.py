@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import pressure, replicas, scale, serving, shared_prefix
+from . import pressure, replicas, restart, scale, serving, shared_prefix
 
 WORKLOADS: dict[str, ModuleType] = {
-    module.NAME: module for module in (shared_prefix, pressure, scale, serving, replicas)
+    module.NAME: module for module in (shared_prefix, pressure, scale, serving, replicas, restart)
 }
