@@ -421,7 +421,7 @@ def table(
     if with_tiers:
         titles.insert(1, TIER_TITLES[0])
         titles.insert(4, TIER_TITLES[1])
-    return markdown(titles, rows)
+    return markdown(titles, rows, left=2 if with_tiers else 1)
 
 
 def save(options, cfg, workload, pool, runs, expected: Reference, ok: bool) -> str:
