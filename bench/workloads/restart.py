@@ -1,11 +1,10 @@
 """--workload restart: a step's server restarted on its disk tier (step14_10 on). Per run: the
 server (the last of --steps, one torch thread) starts on a fresh, empty disk tier
-(``--kv-offloading-backend disk:DIR``), answers one prompt (--prefix-len tokens, then
---tail-len of its own), stops (SIGINT, as Ctrl-C), starts again on the same folder and
-answers the same prompt. Per run: the blocks the folder held after the stop, and the prompt
-tokens each answer got from a cache (``usage.prompt_tokens_details.cached_tokens``) and from
-the tier (``vllm:external_prefix_cache_hits``), with the time to first token of each. Results:
-restart.json.
+(--kv-offloading-backend disk:DIR), answers one prompt (--prefix-len tokens, then --tail-len of
+its own), stops (SIGINT, as Ctrl-C), starts again on the same folder and answers the same
+prompt. Per run: the blocks the folder held after the stop, and the prompt tokens each answer
+got from a cache (the usage's cached_tokens) and from the tier (the server's
+vllm:external_prefix_cache_hits), with the time to first token of each. Results: restart.json.
 
 A restart empties the KV pool: without a second tier every prefix is computed again. A disk
 tier outlives the process, so the first request after the restart loads the prefix instead.
@@ -142,8 +141,7 @@ def run(options: BenchOptions, progress: Progress) -> int:
     flags = ["--served-model-name", SERVED_NAME, "--max-model-len", str(longest)]
     flags += ["--block-size", str(bs), "--dtype", options.dtype, "--device", options.device]
     flags += ["--threads", "1"]
-    if options.total_blocks is not None:
-        flags += ["--total-blocks", str(options.total_blocks)]
+    flags += ["--total-blocks", str(options.total_blocks or longest // bs)]  # room for it
     if options.kv_offloading_size is not None:
         flags += ["--kv-offloading-size", str(options.kv_offloading_size)]
     print(
