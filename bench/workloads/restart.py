@@ -110,6 +110,16 @@ def one_run(
     return RestartRun(prompt, requests[0], files[0], requests[1])
 
 
+def runs_of(saved: dict) -> list[RestartRun]:
+    """The runs of a saved ``restart.json`` (to print its table again)."""
+    return [
+        RestartRun(
+            run["prompt_tokens"], Request(**run["before"]), run["entries"], Request(**run["after"])
+        )
+        for run in saved["runs"]
+    ]
+
+
 TITLES = ["run", "prompt tokens", "blocks on disk after the stop", "cached before"]
 TITLES += ["cached after the restart", "from the tier", "TTFT before ms", "TTFT after ms"]
 
@@ -133,15 +143,17 @@ def table(runs: list[RestartRun]) -> str:
 
 def run(options: BenchOptions, progress: Progress) -> int:
     step, bs = options.steps[-1], options.block_size
+    longest = cdiv(options.prefix_len + options.tail_len + options.new_tokens, bs) * bs
+    total = options.total_blocks or longest // bs  # room for the request
     cfg = preset(options.model, block_size=bs, dtype=options.dtype, device=options.device)
+    cfg = cfg.replace(total_blocks=total, max_model_len=longest)  # the server's, as saved
     workload = TenantWorkload(1, 1, options.prefix_len, options.tail_len, options.new_tokens)
     first = workload.chats(cfg.vocab_size)[0]  # its system prompt and first message
     chat = Chat(0, 0, 0.0, first.system, first.messages[:1])
-    longest = cdiv(options.prefix_len + options.tail_len + options.new_tokens, bs) * bs
     flags = ["--served-model-name", SERVED_NAME, "--max-model-len", str(longest)]
     flags += ["--block-size", str(bs), "--dtype", options.dtype, "--device", options.device]
     flags += ["--threads", "1"]
-    flags += ["--total-blocks", str(options.total_blocks or longest // bs)]  # room for it
+    flags += ["--total-blocks", str(total)]
     if options.kv_offloading_size is not None:
         flags += ["--kv-offloading-size", str(options.kv_offloading_size)]
     print(
