@@ -174,3 +174,41 @@ def test_a_restart_on_the_disk_tier(tmp_path: Path) -> None:
 
 def test_the_workloads_are_listed() -> None:
     assert replicas.NAME in cli.WORKLOADS and "restart" in cli.WORKLOADS
+
+
+# ---- the pages' tables are the saved runs ------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+
+
+@pytest.mark.parametrize(
+    ("saved", "page", "policies", "tiers"),
+    [
+        (
+            "replicas-redis-cpu.json",
+            "scale-out.md",
+            ("round_robin", "cache_aware"),
+            ("none", "redis"),
+        ),
+        ("replicas-host-cpu.json", "tier-measurements.md", ("round_robin",), ("none", "host")),
+    ],
+)
+def test_the_pages_tier_tables_are_the_saved_runs(
+    saved: str, page: str, policies: tuple[str, ...], tiers: tuple[str, ...]
+) -> None:
+    data = json.loads((DOCS / saved).read_text())
+    assert data["tiers"] == list(tiers) and data["answers_equal_one_engine"] is True
+    assert data["settings"]["repeats"] == 3
+    assert len(data["runs"]) == 3 * len(policies) * len(tiers)
+    printed = table(runs_of(data), policies, data["ideal"]["computed"], tiers)
+    assert printed in (DOCS / page).read_text()
+
+
+def test_the_restart_table_is_the_saved_run() -> None:
+    from bench.workloads import restart
+
+    data = json.loads((DOCS / "restart-cpu.json").read_text())
+    runs = restart.runs_of(data)
+    assert len(runs) == 3 and all(r.answers_equal for r in runs)
+    assert restart.table(runs) in (DOCS / "tier-measurements.md").read_text()
