@@ -79,6 +79,7 @@ DEFAULTS = dict(
     model="demo",
 )
 NOT_READ = "makes its own conversations"
+OWN_TIERS = True  # --kv-offloading-backend: read here, not as one engine's tier
 HELP = __doc__.split("\n\n")[0]
 SERVED_NAME = "toy"
 

@@ -38,6 +38,7 @@ DEFAULTS = dict(
     prefix_len=256, tail_len=16, new_tokens=16, block_size=16, total_blocks=None, model="demo"
 )
 NOT_READ = "sends one prompt, before and after a restart"
+OWN_TIERS = True  # --kv-offloading-backend: read here, not as one engine's tier
 HELP = __doc__.split("\n\n")[0]
 
 

@@ -73,6 +73,13 @@ def test_a_tier_the_bench_cannot_empty_is_refused(
     assert said in line and "--kv-offloading-backend" in line
 
 
+def test_the_other_workloads_check_the_tier_as_one_engines(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--steps", "step14_10", "--kv-offloading-backend", "none,host"]
+    assert "unknown KV offloading backend 'none,host'" in bench_usage_error(argv, capsys)
+
+
 def test_a_tier_needs_step14_10(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--workload", "replicas", "--steps", "step14_8", "--kv-offloading-backend", "host"]
     assert "needs step14_10" in bench_usage_error(argv, capsys)
