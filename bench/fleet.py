@@ -103,9 +103,6 @@ class Server(Process):
     def metrics(self) -> str:
         return httpx_module().get(self.url + "/metrics", timeout=60).text
 
-    def reset_prefix_cache(self) -> None:
-        httpx_module().post(self.url + "/reset_prefix_cache", timeout=60).raise_for_status()
-
 
 class Replica(Server):
     """A ``Server`` that publishes its KV cache events on ``tcp://*:<events_port>``."""
