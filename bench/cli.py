@@ -16,6 +16,7 @@ from dataclasses import replace
 from common.config import PRESETS
 from front.build import set_threads
 from front.cli import (
+    ENGINE_FLAGS,
     HelpFormatter,
     add_engine_flags,
     checkpoint_folder,
@@ -195,6 +196,13 @@ REQUEST_FLAGS = {
 }
 
 
+TIERS_HELP = (
+    f"{ENGINE_FLAGS['kv_offloading_backend'][2]}. --workload replicas: a comma-separated list, "
+    "each run side by side, of none, host, disk (a fresh folder per replica) and redis (a "
+    "redis-server it starts, shared); --workload restart makes its own disk tier"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every flag, each value checked by its type: a bad one exits 2 with one ``error:`` line."""
     p = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, formatter_class=HelpFormatter)
@@ -212,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(
         p,
         omit=("max_running", "seed", "max_model_len"),
+        helps={"kv_offloading_backend": TIERS_HELP},
         block_size=PerWorkload("block_size"),
         total_blocks=PerWorkload("total_blocks", none="room for every request at once"),
     )
@@ -278,7 +287,8 @@ def read_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> B
 def refuse_step_options(parser: argparse.ArgumentParser, options: BenchOptions) -> None:
     """An engine flag that only later steps take (``--max-num-batched-tokens``) goes to the
     steps of ``--steps`` that take it; when none does, or its value is one the engine refuses
-    (with the workload's ``max_running``), it is one ``error:`` line."""
+    (with the workload's ``max_running``; a second tier it cannot make), it is one ``error:``
+    line."""
     running = options.max_running or options.requests or 1
     engine = replace(options.engine_options(), max_running=running)
     not_taken = [not_taken_by(step, engine) for step in options.steps]
@@ -286,6 +296,8 @@ def refuse_step_options(parser: argparse.ArgumentParser, options: BenchOptions) 
         parser.error(f"{not_taken[-1]} (--steps {','.join(options.steps)})")
     if engine.budget_refused():
         parser.error(engine.budget_refused())
+    if not getattr(WORKLOADS[options.workload], "OWN_TIERS", False) and engine.tier_refused():
+        parser.error(engine.tier_refused())  # a workload with tiers of its own checks its own
 
 
 def refuse_unread(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -1,8 +1,10 @@
 """Replicas of a step's server and ``vllm-router`` in front of them, as processes of this
 machine (``--workload replicas``; docs/scale-out.md shows the same commands by hand).
 
-- ``Replica``: ``python -m <step>.serve`` on a free port, its KV cache events published on a
-  free ZMQ port (``--kv-events-config``); ``metrics()`` reads its ``/metrics``;
+- ``Server``: ``python -m <step>.serve`` on a free port; ``metrics()`` reads its ``/metrics``;
+  ``Replica``: a server whose KV cache events are published on a free ZMQ port
+  (``--kv-events-config``);
+- ``RedisServer``: a ``redis-server`` on a free port, the second tier a fleet shares;
 - ``Router``: ``vllm-router --policy P`` over the replicas' URLs, its log in a file (its own
   evidence of what it decided), its Prometheus page read before it stops; ``kv_aware`` is fed
   every replica's events (``--kv-event-source URL=tcp://...``) and the pool's block size.
@@ -86,43 +88,88 @@ class Process:
                 self.popen.wait()
 
 
-class Replica(Process):
-    """One ``python -m <step>.serve``, its events on ``tcp://*:<events_port>``."""
+class Server(Process):
+    """One ``python -m <step>.serve --model CHECKPOINT`` on a free port; ``url`` once started."""
+
+    def __init__(self, step: str, checkpoint: Path, flags: list[str], log: Path) -> None:
+        command = [sys.executable, "-m", f"{step}.serve", "--model", str(checkpoint)]
+        super().__init__([*command, "--port", "0", *flags], log)
+        self.url = ""
+
+    def started(self) -> Server:
+        self.url = self.wait_for(r"serving on (http://\S+)", f"server {self.log.name}").group(1)
+        return self
+
+    def metrics(self) -> str:
+        return httpx_module().get(self.url + "/metrics", timeout=60).text
+
+
+class Replica(Server):
+    """A ``Server`` that publishes its KV cache events on ``tcp://*:<events_port>``."""
 
     def __init__(self, step: str, checkpoint: Path, flags: list[str], log: Path) -> None:
         self.events_port = free_port()
         config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{self.events_port}"}
-        command = [sys.executable, "-m", f"{step}.serve", "--model", str(checkpoint)]
-        command += ["--port", "0", *flags, "--kv-events-config", json.dumps(config)]
-        super().__init__(command, log)
-        self.url = ""
-
-    def started(self) -> Replica:
-        self.url = self.wait_for(r"serving on (http://\S+)", f"replica {self.log.name}").group(1)
-        return self
+        super().__init__(step, checkpoint, [*flags, "--kv-events-config", json.dumps(config)], log)
 
     @property
     def events_endpoint(self) -> str:
         return f"tcp://127.0.0.1:{self.events_port}"
 
-    def metrics(self) -> str:
-        return httpx_module().get(self.url + "/metrics", timeout=60).text
-
-    def reset_prefix_cache(self) -> None:
-        httpx_module().post(self.url + "/reset_prefix_cache", timeout=60).raise_for_status()
-
 
 def start_replicas(
-    count: int, step: str, checkpoint: Path, flags: list[str], logs: Path
+    count: int,
+    step: str,
+    checkpoint: Path,
+    flags: list[str],
+    logs: Path,
+    own_flags: list[list[str]] | None = None,
+    tag: str = "",
 ) -> list[Replica]:
-    """``count`` replicas, loading side by side; each waited for."""
-    replicas = [Replica(step, checkpoint, flags, logs / f"replica-{i}.log") for i in range(count)]
+    """``count`` replicas, loading side by side; each waited for. Replica ``i`` also gets
+    ``own_flags[i]`` (its own disk tier's folder), and logs to ``replica-<i><tag>.log``."""
+    own = own_flags or [[] for _ in range(count)]
+    replicas = [
+        Replica(step, checkpoint, [*flags, *own[i]], logs / f"replica-{i}{tag}.log")
+        for i in range(count)
+    ]
     try:
         return [replica.started() for replica in replicas]
     except BaseException:
         for replica in replicas:
             replica.stop()
         raise
+
+
+class RedisServer(Process):
+    """A ``redis-server`` of this bench's own on a free loopback port, configured as a fleet's
+    KV tier is (no persistence; at most ``max_bytes``, least recently used keys evicted first).
+    It starts empty: a fresh one per run is a cold tier."""
+
+    def __init__(self, folder: Path, max_bytes: int, log: Path) -> None:
+        self.port = free_port()
+        command = [redis_server_path(), "--port", str(self.port), "--bind", "127.0.0.1"]
+        command += ["--dir", str(folder), "--save", "", "--appendonly", "no"]
+        command += ["--maxmemory", str(max_bytes), "--maxmemory-policy", "allkeys-lru"]
+        super().__init__(command, log)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def started(self) -> RedisServer:
+        self.wait_for(r"Ready to accept connections", f"redis-server ({self.log.name})")
+        return self
+
+
+def redis_server_path() -> str:
+    """The ``redis-server`` command (Debian's package), or one line that says how to get it."""
+    path = shutil.which("redis-server")
+    if path is None:
+        raise MissingPackageError(
+            "--kv-offloading-backend redis starts a redis-server: apt-get install redis-server"
+        )
+    return path
 
 
 class Router(Process):

@@ -130,16 +130,16 @@ def test_help_names_each_workloads_default(capsys) -> None:
     text = " ".join(capsys.readouterr().out.split())
     assert (
         "(default: 16 for shared-prefix, 24 for pressure, unused for scale, 32 for serving, "
-        "unused for replicas)"
+        "unused for replicas, unused for restart)"
     ) in text
     assert (
         "(default: room for every request at once for shared-prefix, 48 for pressure, "
         "unused for scale, room for every request at once for serving, room for every request at "
-        "once for replicas)"
+        "once for replicas, room for every request at once for restart)"
     ) in text
     assert (
         "(default: 256 for shared-prefix, unused for pressure, unused for scale, 64 for serving, "
-        "256 for replicas)"
+        "256 for replicas, 256 for restart)"
     ) in text
 
 
