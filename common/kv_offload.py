@@ -122,19 +122,22 @@ class KVOffload:
         token_ids: Sequence[int],
         parent_hash: int | None,
         limit: int,
+        resumed: bool = False,
     ) -> list[TierEntry]:
         """The entries of the tier that continue a chain: the blocks ``block_hashes`` (tokens
         ``token_ids``, following the block hashed ``parent_hash``), in order, up to the first
         the tier lacks or cannot prove, at most ``limit``. Each is checked as the pool's cache
-        checks a hit: its hash, its parent and its tokens must be the caller's."""
+        checks a hit: its hash, its parent and its tokens must be the caller's. A ``resumed``
+        (once preempted) sequence's lookups are not counted as queries and hits, as
+        ``EngineStats`` counts its adoptions apart: those figures are about prompts."""
         size, entries = self.model.cfg.block_size, []
         for i, block_hash in enumerate(block_hashes[:limit]):
             tokens = tuple(token_ids[i * size : (i + 1) * size])
-            self.queries += size
+            self.queries += 0 if resumed else size
             entry = self._get(block_hash)
             if entry is None or (entry.parent_hash, entry.token_ids) != (parent_hash, tokens):
                 break
-            self.hits += size
+            self.hits += 0 if resumed else size
             entries.append(entry)
             parent_hash = block_hash
         return entries

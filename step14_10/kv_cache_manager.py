@@ -104,6 +104,7 @@ class KVCacheManager:
             seq.token_ids[first * bs : last * bs],
             parent_hash,
             limit=self.num_available_blocks - held,
+            resumed=seq.num_preemptions > 0,
         )
         if not entries:
             return []

@@ -24,7 +24,6 @@ from bench.workloads.shared_prefix import SharedPrefix
 from common.config import DTYPES, PRESETS, preset
 from front.steps import STEPS, load_step
 
-
 MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"}
 
 

@@ -60,6 +60,7 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.total_blocks = total_blocks
         self._last = EngineStats()  # the stats of the last round: counters grow by the gain
+        self._pool_hits = 0  # the pool's own prefix cache hits counted so far
         self.model_name = model_name
 
         def make(kind: type, name: str, doc: str, **extra: Any) -> Any:
@@ -123,8 +124,12 @@ class Metrics:
         new_prompt_tokens = stats.prompt_tokens - last.prompt_tokens
         self.prompt_tokens.inc(new_prompt_tokens)
         self.queries.inc(new_prompt_tokens)
-        tier_hits = stats.external_prefix_cache_hits - last.external_prefix_cache_hits
-        self.hits.inc(stats.cached_tokens - last.cached_tokens - tier_hits)  # the pool's own
+        # The pool's own hits: the prompt tokens adopted, less those the tier gave. A block
+        # loaded in one round may be adopted in the next, so the difference is taken over the
+        # engine's life, and the counter only moves up.
+        pool_hits = stats.cached_tokens - stats.external_prefix_cache_hits
+        self.hits.inc(max(0, pool_hits - self._pool_hits))
+        self._pool_hits = max(self._pool_hits, pool_hits)
         self._record_tier(stats, last)
         self.preemptions.inc(stats.preemptions - last.preemptions)
         for stream, output in delivered:
