@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     state = "cold" if args.cold else "warm"
     matmul = sum(e.self_cpu_time_total for e in ops if e.key in MATMULS) / total
     print(
-        f"{args.step}, {args.model} in {args.dtype}, {state} prefix, {args.threads} thread(s): "
-        f"{seconds:.3f} s profiled, {matmul:.0%} of it in matmuls"
+        f"{args.step}, {state} prefix, {args.threads} thread(s): {seconds:.3f} s profiled "
+        f"({args.model} in {args.dtype}; {matmul:.0%} of it in matmuls)"
     )
     print(f"{'operator':<44} {'self CPU':>9} {'share':>6} {'calls':>7}")
     for e in ops[: args.top]:
