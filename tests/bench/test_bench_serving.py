@@ -271,7 +271,10 @@ def test_the_documented_figures_are_those_of_the_saved_run() -> None:
     default = {**asdict(serving.ServingWorkload()), "kind": "serving", "request_rate": 16.0}
     assert settings["workload"] == default
     assert (settings["model_name"], settings["repeats"]) == ("demo", 3)
-    assert list(dict.fromkeys(c["step"] for c in SAVED["cells"])) == STEP_NAMES
+    saved = list(dict.fromkeys(c["step"] for c in SAVED["cells"]))
+    # every step in order; step14_10 came the day after this run, and the page says so (with
+    # no tier it runs step14_9's code: a run of it beside the others is in scale-cpu.json)
+    assert saved == STEP_NAMES[: len(saved)] and STEP_NAMES[len(saved) :] in ([], ["step14_10"])
     rows = documented_rows()
     assert len(rows) == len(SAVED["cells"])
     for c in SAVED["cells"]:
