@@ -100,7 +100,7 @@ class KVOffload:
         self._pending: dict[str, TierEntry] = {}  # stored, not yet in the tier: readable
         self._pending_bytes = 0
         self._lock = threading.Lock()
-        self._queue: queue.Queue[str] = queue.Queue()
+        self._queue: queue.Queue[str | None] = queue.Queue()  # None: the writer ends
         self._writer: threading.Thread | None = None
         self._warned_corrupt = False
         # What /metrics and EngineStats show: vLLM counts a KV connector's lookups in tokens.
@@ -203,8 +203,19 @@ class KVOffload:
         self._queue.join()
 
     def close(self) -> None:
-        self.flush()
+        self.stop_writer()
         self.tier.close()
+
+    def stop_writer(self) -> None:
+        """Flush, then end the writer thread (a later store starts another): no thread of ours
+        may still hold torch's state when the interpreter ends."""
+        self.flush()
+        with self._lock:  # under the lock: the writer cannot be deciding to end meanwhile
+            writer = self._writer
+            if writer is not None:
+                self._queue.put(None)
+        if writer is not None:
+            writer.join(timeout=5)
 
     def figures(self) -> dict[str, int]:
         """The tier's counters (``EngineStats``' fields of the same names)."""
@@ -219,9 +230,10 @@ class KVOffload:
         }
 
     def _start_writer(self) -> None:
-        if self._writer is None or not self._writer.is_alive():
-            self._writer = threading.Thread(target=self._write, name="kv-offload", daemon=True)
-            self._writer.start()
+        with self._lock:  # the writer decides to end under the same lock (``_write``)
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write, name="kv-offload", daemon=True)
+                self._writer.start()
 
     def _write(self) -> None:
         """The writer thread: encode each pending block and put it in the tier (unless it is
@@ -231,6 +243,15 @@ class KVOffload:
             try:
                 key = self._queue.get(timeout=1.0)
             except queue.Empty:
+                with self._lock:  # a store that queued meanwhile finds no writer and starts one
+                    if self._queue.empty():
+                        self._writer = None
+                        return
+                continue
+            if key is None:
+                with self._lock:
+                    self._writer = None
+                self._queue.task_done()
                 return
             with self._lock:
                 entry = self._pending[key]
@@ -298,7 +319,7 @@ def flush_second_tiers() -> None:
     restart must hold what the last run stored. At the interpreter's exit, and where a process
     ends without it (the server's engine process)."""
     for offload in list(_LIVE):
-        offload.flush()
+        offload.stop_writer()
 
 
 atexit.register(flush_second_tiers)
