@@ -9,7 +9,10 @@ cache can serve, if the request lands where that prefix is.
 The prompts are words of the word-level checkpoint the bench writes (``w17 w3 ...``: one word,
 one token, ``python -m front.toy_checkpoint``), sent as text through the router and each answer
 read back as token ids, exactly. The client (``drive``) streams each request, times it (sent,
-first text, last text) and sends the next turn when the answer is whole.
+first text, last text) and sends the next turn when the answer is whole, or ``turn_delay``
+seconds after it: the user reading the answer and typing the next message (GenAI-Perf's
+session turn delay). While one user pauses, the others' turns go on, and a pool too small for
+every open conversation evicts the paused one's blocks before it comes back.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class TenantWorkload:
     new_tokens: int = 16  # an answer
     rate: float = 2.0  # conversations starting per second (Poisson)
     seed: int = 0
+    turn_delay: float = 0.0  # seconds a user waits after an answer before its next turn
 
     @property
     def conversations(self) -> int:
@@ -64,16 +68,19 @@ class TenantWorkload:
         rng.shuffle(tenants)
         messages = [[words(self.tail_len) for _ in range(self.turns)] for _ in tenants]
         return [
-            Chat(c, tenant, start, systems[tenant], messages[c])
+            Chat(c, tenant, start, systems[tenant], messages[c], self.turn_delay)
             for c, (tenant, start) in enumerate(zip(tenants, starts))
         ]
 
     def describe(self) -> str:
+        pause = f", {self.turn_delay:g} s between an answer and the next turn" * bool(
+            self.turn_delay
+        )
         return (
             f"{self.tenants} tenants, each a {self.prefix_len}-token system prompt and "
             f"{USERS_PER_TENANT} users; each user a {self.turns}-turn chat ({self.tail_len} tokens "
-            f"a message, {self.new_tokens} an answer), the chats starting at {self.rate:g}/s "
-            f"(Poisson, seed {self.seed}): {self.requests} requests"
+            f"a message, {self.new_tokens} an answer{pause}), the chats starting at "
+            f"{self.rate:g}/s (Poisson, seed {self.seed}): {self.requests} requests"
         )
 
 
@@ -84,6 +91,7 @@ class Chat:
     start: float  # seconds after the run's start
     system: list[int]
     messages: list[list[int]]
+    delay: float = 0.0  # seconds between an answer and the next turn (the user's pause)
 
 
 @dataclass
@@ -164,6 +172,8 @@ async def chat_turns(client: Any, model: str, chat: Chat, new_tokens: int, start
     await asyncio.sleep(max(0.0, start + chat.start - time.perf_counter()))
     turns: list[Turn] = []
     for t in range(len(chat.messages)):
+        if t:
+            await asyncio.sleep(chat.delay)
         prompt = prompts_of(chat, [turn.answer for turn in turns])[t]
         turn = Turn(chat.index, t, prompt, time.perf_counter() - start)
         turns.append(turn)

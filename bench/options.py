@@ -29,6 +29,7 @@ class BenchOptions:
     policies: tuple[str, ...] | None = None  # replicas: vllm-router's routing policies
     tenants: int | None = None  # replicas: system prompts, two users each
     turns: int | None = None  # replicas: requests per conversation
+    turn_delay: float | None = None  # replicas: seconds between an answer and the next turn
     # the engine (cli.add_engine_flags)
     block_size: int = 16
     total_blocks: int | None = None  # None: the workload sizes the pool

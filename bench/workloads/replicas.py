@@ -74,6 +74,7 @@ DEFAULTS = dict(
     policies=POLICIES,
     tenants=8,
     turns=5,
+    turn_delay=0.0,
     block_size=16,
     total_blocks=None,
     model="demo",
@@ -92,6 +93,7 @@ def workload_of(options: BenchOptions) -> TenantWorkload:
         options.tail_len,
         options.new_tokens,
         options.request_rate,
+        turn_delay=options.turn_delay,
     )
 
 
