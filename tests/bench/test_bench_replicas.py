@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -57,6 +58,10 @@ def test_only_the_replicas_workload_reads_its_flags(capsys: pytest.CaptureFixtur
         ["--workload", "replicas", "--model", str(Path(__file__).parent)], capsys
     )
     assert "checkpoint directory" in line or "takes a preset" in line
+    line = bench_usage_error(["--turn-delay", "1"], capsys)
+    assert "--turn-delay: only --workload replicas reads it" in line
+    line = bench_usage_error(["--workload", "replicas", "--turn-delay", "-1"], capsys)
+    assert "must be a number of seconds >= 0, got '-1'" in line
 
 
 # ---- the conversations -------------------------------------------------------------------------
@@ -87,6 +92,32 @@ def test_the_pool_holds_half_the_tenants_prompts_beside_the_running_room() -> No
     assert prefixes == 4 * 16  # four of eight 16-block prompts
     assert room == 4 * (160 // 16 + 1)  # four conversations' own blocks, a partial one each
     assert pool_blocks(TenantWorkload(tenants=3, prefix_len=32), 16, 1)[0] == 2 * 2
+
+
+def test_a_user_pauses_between_an_answer_and_the_next_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--turn-delay: each turn after the first is sent ``turn_delay`` seconds after the answer
+    before it came back whole; the first, at the chat's start; with no delay, at once."""
+    from bench import conversations
+
+    async def answered(client, model, turn, new_tokens, start) -> None:  # an instant server
+        turn.first_text = turn.last_text = time.perf_counter() - start
+        turn.answer = [1] * new_tokens
+
+    monkeypatch.setattr(conversations, "send", answered)
+    pause = 0.3
+    for delay in (0.0, pause):
+        workload = TenantWorkload(tenants=1, turns=3, prefix_len=4, tail_len=2, turn_delay=delay)
+        chat = replace(workload.chats(vocab_size=50)[0], start=0.0)
+        assert chat.delay == delay and (f"{delay:g} s between" in workload.describe()) == bool(
+            delay
+        )
+        turns = asyncio.run(conversations.chat_turns(None, "toy", chat, 2, time.perf_counter()))
+        gaps = [later.sent - earlier.last_text for earlier, later in zip(turns, turns[1:])]
+        assert len(gaps) == 2 and turns[0].sent < pause
+        waited = [gap >= pause for gap in gaps]  # no delay: the next turn at once
+        assert waited == [bool(delay)] * 2, (delay, gaps)
 
 
 # ---- the real fleet ----------------------------------------------------------------------------
