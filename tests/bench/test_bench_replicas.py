@@ -21,6 +21,7 @@ import json
 import signal
 import time
 from dataclasses import replace
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -114,7 +115,7 @@ def test_a_user_pauses_between_an_answer_and_the_next_turn(
             delay
         )
         turns = asyncio.run(conversations.chat_turns(None, "toy", chat, 2, time.perf_counter()))
-        gaps = [later.sent - earlier.last_text for earlier, later in zip(turns, turns[1:])]
+        gaps = [later.sent - earlier.last_text for earlier, later in pairwise(turns)]
         assert len(gaps) == 2 and turns[0].sent < pause
         waited = [gap >= pause for gap in gaps]  # no delay: the next turn at once
         assert waited == [bool(delay)] * 2, (delay, gaps)
