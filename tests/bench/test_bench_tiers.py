@@ -199,6 +199,12 @@ DOCS = ROOT / "docs"
             ("none", "redis"),
         ),
         ("replicas-host-cpu.json", "tier-measurements.md", ("round_robin",), ("none", "host")),
+        (
+            "replicas-host-smollm2-cpu.json",
+            "tier-measurements.md",
+            ("round_robin",),
+            ("none", "host"),
+        ),
     ],
 )
 def test_the_pages_tier_tables_are_the_saved_runs(
@@ -219,3 +225,23 @@ def test_the_restart_table_is_the_saved_run() -> None:
     runs = restart.runs_of(data)
     assert len(runs) == 3 and all(r.answers_equal for r in runs)
     assert restart.table(runs) in (DOCS / "tier-measurements.md").read_text()
+
+
+def test_the_real_size_tier_run_is_the_command_the_page_shows() -> None:
+    """The host tier at a real size: the saved run is of the command on the page (its model,
+    its users' pause), and the TTFT figures the page quotes are the saved turns'."""
+    data = json.loads((DOCS / "replicas-host-smollm2-cpu.json").read_text())
+    settings, page = data["settings"], (DOCS / "tier-measurements.md").read_text()
+    assert settings["model_name"] == "smollm2-135m" and settings["workload"]["turn_delay"] == 30
+    assert "--steps step14_10 --model smollm2-135m --turn-delay 30\n" in page
+    runs = runs_of(data)
+    p50 = {tier: sorted(r.ttft(50) for r in runs if r.tier == tier) for tier in ("none", "host")}
+    assert f"{p50['host'][1] * 1000:.0f} ms ({p50['host'][0] * 1000:.0f}-" in page
+    assert f"against {p50['none'][1] * 1000:,.0f} ms" in page
+    least = min(
+        none / host
+        for none, host in zip(
+            *([r.ttft(50) for r in runs if r.tier == tier] for tier in ("none", "host"))
+        )
+    )
+    assert f"at least {least:.1f} times in every pair of runs" in page
