@@ -70,7 +70,10 @@ def replay(
             continue
         elif isinstance(event, BlockRemoved):
             for block_hash in event.block_hashes:
-                del content[block_hash]
+                if medium == MEDIUM_GPU:
+                    del content[block_hash]  # the pool removes only what it stored
+                else:  # a tier outlives AllBlocksCleared (a reset empties the pool): after
+                    content.pop(block_hash, None)  # one, it may remove what was forgotten
         else:
             parent, size = event.parent_block_hash, event.block_size
             for i, block_hash in enumerate(event.block_hashes):
@@ -115,6 +118,8 @@ class KVEventLog(RoundObserver):
     def removed_from(self, medium: str, block_hash: int) -> None:
         """A block left ``medium``: it may still live in another one."""
         self.events.append(BlockRemoved([block_hash], medium))
+
+    tier_removed = removed_from  # and one the tier dropped
 
     def cache_reset(self, block_ids: list[int]) -> None:
         self.events.append(AllBlocksCleared())

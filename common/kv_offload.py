@@ -103,6 +103,10 @@ class KVOffload:
         self._queue: queue.Queue[str | None] = queue.Queue()  # None: the writer ends
         self._writer: threading.Thread | None = None
         self._warned_corrupt = False
+        # Blocks announced in the tier (a BlockStored of its medium), by key: each is announced
+        # removed when the tier drops it or refuses its write (a tier that names what it drops)
+        self._announced: dict[str, int] = {}
+        self._unstored: list[str] = []
         # What /metrics and EngineStats show: vLLM counts a KV connector's lookups in tokens.
         self.queries = self.hits = 0  # tokens asked of the tier / found there
         self.loads = self.stores = self.dropped = self.corrupt = 0  # blocks
@@ -178,6 +182,7 @@ class KVOffload:
         """Write these blocks through to the tier: ``(block_hash, parent_hash, token_ids,
         block_id)`` of each full block the prefix cache took, once the forward pass has written
         its K/V. The round pays one copy out of the pool; the writer thread does the rest."""
+        self._report_evicted()  # what the writer's puts evicted since the last round
         if not blocks:
             return
         model = self.model
@@ -194,6 +199,8 @@ class KVOffload:
                     continue
                 self._pending[key] = entry
                 self._pending_bytes += entry.nbytes
+                if self.tier.reports_evictions:
+                    self._announced[key] = block_hash
             self._queue.put(key)
             self.observer.tier_stored(self.tier.medium, block_hash, parent_hash, token_ids)
         self._start_writer()
@@ -201,6 +208,19 @@ class KVOffload:
     def flush(self) -> None:
         """Wait until every stored block is in the tier (a restart, a test, a shutdown)."""
         self._queue.join()
+        self._report_evicted()
+
+    def _report_evicted(self) -> None:
+        """Each block this engine announced in the tier and the tier no longer holds (evicted
+        for room, or never written): a ``BlockRemoved`` of its medium, so that a router's index
+        of the tier forgets it too. Keys it never announced (another model's, the last run's
+        on a disk) are not its to report."""
+        with self._lock:
+            gone, self._unstored = self.tier.take_evicted() + self._unstored, []
+            removed = [self._announced.pop(key, None) for key in gone]
+        for block_hash in removed:
+            if block_hash is not None:
+                self.observer.tier_removed(self.tier.medium, block_hash)
 
     def close(self) -> None:
         self.stop_writer()
@@ -256,9 +276,14 @@ class KVOffload:
             with self._lock:
                 entry = self._pending[key]
             try:
-                if not self.tier.contains(key) and self.tier.put(key, self._encode(entry)):
+                if self.tier.contains(key):
+                    pass  # a fleet computes some blocks twice: the other replica stored it
+                elif self.tier.put(key, self._encode(entry)):
                     self.stores += 1
                     self.bytes_stored += entry.nbytes
+                else:
+                    with self._lock:
+                        self._unstored.append(key)
             finally:
                 with self._lock:
                     del self._pending[key]

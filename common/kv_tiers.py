@@ -68,16 +68,20 @@ class KVTier:
     ``get`` answers None for a miss, whether the key is absent or the store failed; ``put``
     stores, evicting what was least recently used when the tier has a capacity; neither raises
     when the store fails. ``failures`` counts the operations that failed, ``evictions`` the
-    entries dropped to stay within the capacity, ``nbytes`` the bytes of values held now.
+    entries dropped to stay within the capacity, ``nbytes`` the bytes of values held now;
+    ``take_evicted`` names the entries dropped since it was last called, so that the tier's
+    owner can say so in its KV events.
     """
 
     name: str = "?"  # "host" | "disk" | "redis": also the ``medium`` of the tier's KV events
+    reports_evictions = True  # ``take_evicted`` names every entry it drops
 
     def __init__(self, where: str) -> None:
         self.where = where  # what the log names: a folder, a URL without its password
         self.failures = 0
         self.evictions = 0
         self._failing = False  # inside an outage: its warning is already in the log
+        self._evicted: list[str] = []  # keys dropped since the last ``take_evicted``
         self._state_lock = threading.Lock()
 
     def get(self, key: str) -> bytes | None:
@@ -95,6 +99,17 @@ class KVTier:
 
     def close(self) -> None:
         """Release what the tier holds open (connections, memory). Calling it twice is fine."""
+
+    def take_evicted(self) -> list[str]:
+        """The keys of the entries this tier dropped since the last call: evicted for room, or
+        unreadable."""
+        with self._state_lock:
+            taken, self._evicted = self._evicted, []
+        return taken
+
+    def _note_evicted(self, key: str) -> None:
+        with self._state_lock:
+            self._evicted.append(key)
 
     @property
     def nbytes(self) -> int:
@@ -160,9 +175,10 @@ class HostTier(KVTier):
             if old is not None:
                 self._nbytes -= len(old)
             while self._nbytes + len(value) > self.capacity_bytes:
-                _, evicted = self._entries.popitem(last=False)
+                oldest, evicted = self._entries.popitem(last=False)
                 self._nbytes -= len(evicted)
                 self.evictions += 1
+                self._note_evicted(oldest)
             self._entries[key] = value
             self._nbytes += len(value)
         self._worked()
@@ -218,6 +234,7 @@ class DiskTier(KVTier):
             self._load_index()
         except OSError as exc:
             self._failed("opening the folder", exc)
+        self.take_evicted()  # the last run's entries, never announced by this process
 
     def _load_index(self) -> None:
         found = []
@@ -249,6 +266,7 @@ class DiskTier(KVTier):
             self._nbytes -= evicted
             self.evictions += 1
             self._file(key).unlink(missing_ok=True)
+            self._note_evicted(key)
 
     def get(self, key: str) -> bytes | None:
         path = self._file(key)
@@ -259,6 +277,7 @@ class DiskTier(KVTier):
                 value = path.read_bytes()
             except OSError as exc:
                 self._nbytes -= self._index.pop(key)  # what cannot be read is no entry
+                self._note_evicted(key)
                 self._failed(f"reading {path.name}", exc)
                 return None
             with contextlib.suppress(OSError):  # read-only: only the order after a restart
@@ -325,8 +344,9 @@ class RedisTier(KVTier):
 
     The server bounds itself: the fleet's Redis is configured by its administrator with a
     ``maxmemory`` and the ``allkeys-lru`` policy, and this client sets nothing on it. So
-    ``evictions`` stays 0 (the server counts its own: ``evicted_keys`` in ``INFO stats``) and
-    ``nbytes`` is 0, unknown to the client (``used_memory`` in ``INFO memory``).
+    ``evictions`` stays 0 (the server counts its own: ``evicted_keys`` in ``INFO stats``),
+    ``take_evicted`` names none (the server does not tell which), and ``nbytes`` is 0, unknown
+    to the client (``used_memory`` in ``INFO memory``).
 
     A dead server must not stall the engine: connecting and reading time out after
     ``timeout_s``, with no retry, and after a failure the tier does not try again for
@@ -336,6 +356,7 @@ class RedisTier(KVTier):
 
     name = "redis"
     medium = MEDIUM_STORAGE  # vLLM's name for where its KV events say the block lives
+    reports_evictions = False  # its BlockStored events stand until the stream says otherwise
 
     def __init__(self, url: str, timeout_s: float = 0.5, backoff_s: float = 1.0) -> None:
         redis = _import_redis()

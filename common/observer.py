@@ -73,6 +73,10 @@ class RoundObserver:
         vLLM's name for it ("CPU": host memory; "STORAGE": a disk or a remote store): vLLM's
         ``BlockStored`` with that medium."""
 
+    def tier_removed(self, medium: str, block_hash: int) -> None:
+        """step14_10: the second tier dropped the block stored under ``block_hash`` (evicted
+        for room, or its write failed): vLLM's ``BlockRemoved`` with the tier's medium."""
+
     def preempted(self, seq: Seq, for_seq: Seq) -> None:
         """``seq``, the youngest running request, goes back to the queue because ``for_seq``
         found no block (perhaps ``seq`` itself). Its ``freed`` follows."""
@@ -151,6 +155,10 @@ class Observers(RoundObserver):
     ) -> None:
         for w in self._watchers:
             w.tier_stored(medium, block_hash, parent_hash, token_ids)
+
+    def tier_removed(self, medium: str, block_hash: int) -> None:
+        for w in self._watchers:
+            w.tier_removed(medium, block_hash)
 
     def preempted(self, seq: Seq, for_seq: Seq) -> None:
         for w in self._watchers:

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from common.hashing import hash_prefix_blocks
-from common.kv_events import BlockStored, replay
+from common.kv_events import BlockRemoved, BlockStored, replay
 from common.kv_offload import KVOffload
 from common.kv_tiers import DiskTier, HostTier, KVTier, RedisTier
 from common.observer import RoundObserver
@@ -309,6 +309,40 @@ def test_kv_events_say_which_medium_holds_a_block() -> None:
     # blocks computed again (each prompt's last, which its answer filled) may be announced
     # again by the tier: nothing it did not hold already
     assert {e.block_hashes[0] for e in again if e.medium == "CPU"} <= set(tier)
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_kv_events_follow_the_tier_as_it_evicts(kind: str, tmp_path) -> None:
+    """A tier too small for the workload evicts; each block it drops is a ``BlockRemoved`` of
+    its medium, so the stream's replay of that medium is exactly what the tier holds (what a
+    router's index of the tier must be), and the pool's replay is untouched by it."""
+    probe = make()  # how many bytes a block takes in a tier
+    probe.generate_serial(tenants(1, 1), 1)
+    offload(probe).flush()
+    capacity = 5 * offload(probe).tier.nbytes // offload(probe).stores  # about five blocks
+    tier = HostTier(capacity) if kind == "host" else DiskTier(tmp_path / "tier", capacity)
+    engine = make(tiny_config(total_blocks=12), tier, enable_kv_cache_events=True)
+    engine.generate_serial(tenants(4, 4), 3)
+    offload(engine).flush()
+    events = engine.take_events()
+    medium = tier.medium
+    stored = {
+        h
+        for e in events
+        if isinstance(e, BlockStored) and e.medium == medium
+        for h in e.block_hashes
+    }
+    removed = [
+        h
+        for e in events
+        if isinstance(e, BlockRemoved) and e.medium == medium
+        for h in e.block_hashes
+    ]
+    held = {h for h in stored if tier.contains(offload(engine).key(h))}
+    assert 0 < len(held) < len(stored) and len(removed) == tier.evictions
+    assert set(replay(events, medium=medium)) == held
+    pool = engine.kv_cache_manager.prefix_cache
+    assert len(replay(events)) == len(pool)  # the pool's own stream: its cached blocks
 
 
 # ---- a restart, and a failing tier --------------------------------------------------------------
