@@ -311,38 +311,49 @@ def test_kv_events_say_which_medium_holds_a_block() -> None:
     assert {e.block_hashes[0] for e in again if e.medium == "CPU"} <= set(tier)
 
 
-@pytest.mark.parametrize("kind", ["host", "disk"])
+def tier_events(events: list, medium: str) -> tuple[set[int], list[int]]:
+    """The hashes stored in ``medium``, and those removed from it, in the events' order."""
+    stored = [e for e in events if isinstance(e, BlockStored) and e.medium == medium]
+    removed = [e for e in events if isinstance(e, BlockRemoved) and e.medium == medium]
+    return {h for e in stored for h in e.block_hashes}, [h for e in removed for h in e.block_hashes]
+
+
+@pytest.mark.parametrize("kind", ["host", "disk", "written after the rounds"])
 def test_kv_events_follow_the_tier_as_it_evicts(kind: str, tmp_path) -> None:
     """A tier too small for the workload evicts; each block it drops is a ``BlockRemoved`` of
     its medium, so the stream's replay of that medium is exactly what the tier holds (what a
-    router's index of the tier must be), and the pool's replay is untouched by it."""
+    router's index of the tier must be), and the pool's replay is untouched by it. Also when
+    every write lands after the last round (a slow tier): the flush reports them."""
     probe = make()  # how many bytes a block takes in a tier
     probe.generate_serial(tenants(1, 1), 1)
     offload(probe).flush()
     capacity = 5 * offload(probe).tier.nbytes // offload(probe).stores  # about five blocks
-    tier = HostTier(capacity) if kind == "host" else DiskTier(tmp_path / "tier", capacity)
+    tiers = {"host": HostTier, "written after the rounds": Gated}
+    tier = tiers[kind](capacity) if kind in tiers else DiskTier(tmp_path / "tier", capacity)
     engine = make(tiny_config(total_blocks=12), tier, enable_kv_cache_events=True)
     engine.generate_serial(tenants(4, 4), 3)
+    if isinstance(tier, Gated):
+        tier.gate.set()
     offload(engine).flush()
     events = engine.take_events()
-    medium = tier.medium
-    stored = {
-        h
-        for e in events
-        if isinstance(e, BlockStored) and e.medium == medium
-        for h in e.block_hashes
-    }
-    removed = [
-        h
-        for e in events
-        if isinstance(e, BlockRemoved) and e.medium == medium
-        for h in e.block_hashes
-    ]
+    stored, removed = tier_events(events, tier.medium)
     held = {h for h in stored if tier.contains(offload(engine).key(h))}
     assert 0 < len(held) < len(stored) and len(removed) == tier.evictions
-    assert set(replay(events, medium=medium)) == held
+    assert set(replay(events, medium=tier.medium)) == held
     pool = engine.kv_cache_manager.prefix_cache
     assert len(replay(events)) == len(pool)  # the pool's own stream: its cached blocks
+
+
+def test_a_block_the_tier_never_took_is_announced_removed() -> None:
+    """A write the tier refused (it failed): the block announced in the tier is removed from
+    it in the stream, and a replay of the tier holds nothing."""
+    engine = make(tiny_config(total_blocks=12), Failing(1 << 30), enable_kv_cache_events=True)
+    engine.generate_serial(tenants(2, 2), 2)
+    offload(engine).flush()
+    events = engine.take_events()
+    stored, removed = tier_events(events, "CPU")
+    assert stored and sorted(removed) == sorted(stored)
+    assert replay(events, medium="CPU") == {}
 
 
 # ---- a restart, and a failing tier --------------------------------------------------------------
