@@ -83,7 +83,8 @@ def fits_prompt(served: ServedModel, vocab: int, body: dict[str, Any]) -> bool:
     """Every prompt in the vocabulary, and with its answer within the context; a
     conversation ending with the user's (or any but the assistant's) turn."""
     messages = body.get("messages")
-    if isinstance(messages, list) and messages and messages[-1].get("role") == "assistant":
+    last = messages[-1] if isinstance(messages, list) and messages else None
+    if isinstance(last, dict) and last.get("role") == "assistant":  # a negative case: any JSON
         return False
     try:
         if "prompt" in body:
