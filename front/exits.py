@@ -78,10 +78,13 @@ def interrupted(prog: str) -> int:
 
 
 def say(line: str) -> None:
-    """``line`` on stderr, flushed now. A reader gone meanwhile (a ``| tee`` that the same
-    Ctrl-C ended) is not the command's error: what is ending goes on to its end."""
+    """``line`` on stderr, flushed now, in one write: the engine process shares the stream,
+    and a line of its own between our text and its newline would split ours (``print``
+    writes them apart when stderr is unbuffered). A reader gone meanwhile (a ``| tee`` that
+    the same Ctrl-C ended) is not the command's error: what is ending goes on to its end."""
     with contextlib.suppress(OSError):
-        print(line, file=sys.stderr, flush=True)
+        sys.stderr.write(f"{line}\n")
+        sys.stderr.flush()
 
 
 def end_by_signal(sig: int) -> int:

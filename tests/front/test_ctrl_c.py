@@ -17,6 +17,7 @@ Each time: no traceback, no abort, no finished run; the process ends by SIGINT, 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import signal
 import subprocess
@@ -162,3 +163,29 @@ def test_ctrl_c_while_the_other_commands_import_is_one_line(
     args = {"bench": ["--no-hf", "--requests", "4", "--out", str(tmp_path / "out")]}
     done = interrupt_at([command, *args.get(command, [str(tmp_path / "toy")])], moment)
     check_one_line(done, f"python -m {command}", [])
+
+
+class Writes(io.RawIOBase):
+    """A file that keeps each write apart, as a pipe's reader sees them."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:  # type: ignore[override]
+        self.writes.append(bytes(data))
+        return len(data)
+
+
+def test_the_interrupted_line_is_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's engine process writes to the same stderr: a line written in two pieces (its
+    text, then its newline, as ``print`` does on an unbuffered stream) can get the other
+    process's output between them. ``say`` writes the line and its newline at once."""
+    from front.exits import say
+
+    raw = Writes()
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(raw, write_through=True))
+    say("\nprog: interrupted")
+    assert raw.writes == [b"\nprog: interrupted\n"]
