@@ -21,6 +21,7 @@ from front.cli import (
     add_engine_flags,
     checkpoint_folder,
     non_negative_int,
+    number_in,
     positive_int,
     writable_folder,
 )
@@ -109,17 +110,6 @@ def request_rate(text: str) -> float:
     return rate
 
 
-def seconds(text: str) -> float:
-    """``--turn-delay``: a number of seconds, >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 <= value < float("inf"):  # nan too
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
-    return value
-
-
 def policy_list(text: str) -> tuple[str, ...]:
     """``--policies``: vllm-router's policies, comma-separated, each once."""
     names = tuple(name.strip() for name in text.split(",") if name.strip())
@@ -199,7 +189,7 @@ REQUEST_FLAGS = {
     "tenants": (positive_int, "N", "replicas: tenants, each a system prompt and two users"),
     "turns": (positive_int, "N", "replicas: turns of each user's conversation"),
     "turn_delay": (
-        seconds,
+        number_in(0),
         "S",
         "replicas: seconds each user waits after an answer before the next turn (reading, "
         "typing); the other users' turns go on meanwhile",

@@ -73,9 +73,8 @@ class TenantWorkload:
         ]
 
     def describe(self) -> str:
-        pause = f", {self.turn_delay:g} s between an answer and the next turn" * bool(
-            self.turn_delay
-        )
+        pause = f", {self.turn_delay:g} s between an answer and the next turn"
+        pause = pause if self.turn_delay else ""
         return (
             f"{self.tenants} tenants, each a {self.prefix_len}-token system prompt and "
             f"{USERS_PER_TENANT} users; each user a {self.turns}-turn chat ({self.tail_len} tokens "

@@ -62,7 +62,7 @@ def test_only_the_replicas_workload_reads_its_flags(capsys: pytest.CaptureFixtur
     line = bench_usage_error(["--turn-delay", "1"], capsys)
     assert "--turn-delay: only --workload replicas reads it" in line
     line = bench_usage_error(["--workload", "replicas", "--turn-delay", "-1"], capsys)
-    assert "must be a number of seconds >= 0, got '-1'" in line
+    assert "--turn-delay: must be >= 0, got -1" in line
 
 
 # ---- the conversations -------------------------------------------------------------------------
